@@ -1,0 +1,117 @@
+"""Side-by-side benchmark harness.
+
+Peak memory is read per configuration in a *fresh* process (peak RSS is monotonic and allocators keep freed
+pages), as the peak over what the configuration's inputs already occupy. Time is measured in the parent
+process with configurations interleaved round-robin, so the noisy machine slows every peer alike.
+
+A case is ``(name, setup, run)``: ``setup(**kw)`` builds inputs and returns a state, ``run(state)`` does the
+measured work. Both must be importable top-level functions (they are pickled by reference for the child).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memgrad_hf import memory
+
+
+@dataclass
+class Case:
+    name: str
+    setup: Callable[..., Any]
+    run: Callable[[Any], Any]
+    kwargs: dict = field(default_factory=dict)
+
+
+def _child(case: Case, device: str, threads: int, q) -> None:
+    try:
+        torch.set_num_threads(threads)
+        state = case.setup(device=device, **case.kwargs)
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        base = memory.current_bytes(device)
+        memory.reset_peak(device)
+        case.run(state)
+        peak = memory.peak_bytes(device)
+        q.put({"ok": True, "added_mib": (peak - base) / memory.MiB})
+    except Exception as e:  # reported as a row, not a crash of the whole table
+        q.put({"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()})
+
+
+def peak_added_mib(case: Case, device: str = "cpu", threads: int = 2, timeout: float = 3600) -> dict:
+    """Run ``case`` once in a fresh spawned process; return ``{"ok", "added_mib" | "error"}``."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(case, device, threads, q))
+    p.start()
+    try:
+        out = q.get(timeout=timeout)
+    except Exception as e:
+        p.kill()
+        return {"ok": False, "error": f"no result ({type(e).__name__}); exit code {p.exitcode}"}
+    p.join()
+    return out
+
+
+def time_interleaved(cases: list[Case], device: str = "cpu", repeats: int = 3, warmup: int = 1) -> dict:
+    """Seconds per run for each case, measured round-robin in this process: ``{name: (min, median)}``."""
+    states = {}
+    errors = {}
+    for c in cases:
+        try:
+            states[c.name] = c.setup(device=device, **c.kwargs)
+        except Exception as e:
+            errors[c.name] = f"{type(e).__name__}: {e}"
+    times: dict[str, list[float]] = {n: [] for n in states}
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for i in range(warmup + repeats):
+        for c in cases:
+            if c.name not in states or c.name in errors:
+                continue
+            try:
+                sync()
+                t0 = time.perf_counter()
+                c.run(states[c.name])
+                sync()
+                dt = time.perf_counter() - t0
+            except Exception as e:
+                errors[c.name] = f"{type(e).__name__}: {e}"
+                continue
+            if i >= warmup:
+                times[c.name].append(dt)
+    out = {n: (min(t), statistics.median(t)) for n, t in times.items() if t and n not in errors}
+    out.update({n: e for n, e in errors.items()})
+    return out
+
+
+def versions() -> str:
+    import importlib.metadata as md
+    import platform
+
+    parts = [f"python {platform.python_version()}"]
+    for pkg in ("torch", "transformers", "trl", "triton", "liger-kernel", "memgrad-hf"):
+        try:
+            parts.append(f"{pkg} {md.version(pkg)}")
+        except md.PackageNotFoundError:
+            pass
+    return ", ".join(parts)
+
+
+def machine(device: str) -> str:
+    import os
+    import platform
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(0)
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu} CPU, {torch.get_num_threads()} threads of {os.cpu_count()} cores"

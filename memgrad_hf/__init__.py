@@ -1,0 +1,16 @@
+"""memgrad_hf: memory-lean training for Hugging Face Transformers, Trainer and TRL.
+
+Example::
+
+    import memgrad_hf
+    model = memgrad_hf.patch_model(model)   # chunked LM head: no [tokens x vocab] logits in training
+    memgrad_hf.unpatch_model(model)         # exact undo
+"""
+
+from memgrad_hf import functional
+from memgrad_hf.errors import UnsupportedModelError
+from memgrad_hf.patches import patch_model, unpatch_model
+
+__version__ = "0.1.0"
+
+__all__ = ["UnsupportedModelError", "functional", "patch_model", "unpatch_model", "__version__"]

@@ -1,0 +1,315 @@
+"""The LM-head math as plain functions: cross-entropy, per-token log-probs and entropies of ``hidden @ weight.T``
+without materializing the ``[tokens x vocab]`` logits, with exact gradients.
+
+Example::
+
+    import torch
+    from memgrad_hf.functional import linear_cross_entropy, linear_logprobs
+
+    hidden = torch.randn(4, 128, 64, requires_grad=True)      # [batch, seq, hidden]
+    weight = torch.randn(32000, 64, requires_grad=True)       # lm_head.weight, [vocab, hidden]
+    labels = torch.randint(0, 32000, (4, 128))                # already aligned with hidden (no shift here)
+    loss = linear_cross_entropy(hidden, weight, labels)       # == F.cross_entropy(hidden @ weight.T, labels)
+    loss.backward()
+    logp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True)
+
+Thin layer: validates arguments and dispatches to :mod:`memgrad_hf.kernels` (torch on CPU; the Triton path
+plugs in at :func:`memgrad_hf.kernels.backend`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from memgrad_hf.kernels import head as K
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Scalar ``Σ w_i CE_i``; gradients are computed during forward and scaled by ``grad_output`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden, weight, bias, targets, token_weight, ep, eps, zl, chunk, accum_dtype):
+        need = ctx.needs_input_grad
+        loss, dx, dw, db = K.fused_cross_entropy(
+            hidden, weight, bias, targets, ep, token_weight,
+            label_smoothing=eps, z_loss=zl, chunk_size=chunk,
+            need_dx=need[0], need_dw=need[1], need_db=bias is not None and need[2],
+            accum_dtype=accum_dtype,
+        )
+        ctx.grads = (dx, dw, db)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):
+        dx, dw, db = ctx.grads
+        ctx.grads = None  # drop our references so autograd can adopt the buffers without copying
+        out = []
+        for g, dtype in zip((dx, dw, db), ctx.dtypes, strict=True):
+            if g is not None:
+                g = g.mul_(grad.to(g.dtype))
+                g = g if g.dtype == dtype else g.to(dtype)
+            out.append(g)
+        return (*out, None, None, None, None, None, None, None)
+
+
+class _ChunkedHeadStats(torch.autograd.Function):
+    """Per-token ``(lse, z_target, entropy, mean_z)`` with a recompute-in-backward gradient for any use of them."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden, weight, bias, targets, ep, chunk, need_entropy, need_zmean, accum_dtype):
+        st = K.head_stats(hidden, weight, bias, targets, ep, chunk_size=chunk,
+                          need_entropy=need_entropy, need_zmean=need_zmean)
+        ctx.save_for_backward(hidden, weight, bias, targets, st.lse, st.entropy)
+        ctx.cfg = (ep, chunk, accum_dtype, weight.shape[0])
+        ctx.set_materialize_grads(False)
+        # Outputs not asked for are empty placeholders without gradient.
+        outs = [o if o is not None else hidden.new_empty(0, dtype=torch.float32)
+                for o in (st.lse, st.target, st.entropy, st.zmean)]
+        ctx.mark_non_differentiable(*[o for o in outs if o.numel() == 0 and st.lse.numel() != 0])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, g_lse, g_zt, g_ent, g_zmean):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        ep, chunk, accum_dtype, vocab = ctx.cfg
+        need = ctx.needs_input_grad
+        if not (need[0] or need[1] or need[2]):
+            return (None,) * 9
+        g_ent = g_ent if ent is not None else None
+        zero = torch.zeros_like(lse)
+        alpha = g_lse.float() if g_lse is not None else zero
+        beta = None
+        if g_ent is not None:  # dH/dz_j = -p_j (z_j - Σ p z),  Σ p z = lse - H
+            g_ent = g_ent.float()
+            alpha = alpha + g_ent * (lse - ent)
+            beta = -g_ent
+        gamma = None if g_zt is None else g_zt.float()
+        delta = None if g_zmean is None or g_zmean.numel() == 0 else g_zmean.float() / vocab
+        dx, dw, db = K.head_backward(
+            hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta,
+            chunk_size=chunk, need_dx=need[0], need_dw=need[1], need_db=bias is not None and need[2],
+            accum_dtype=accum_dtype,
+        )
+        dw = None if dw is None else dw.to(weight.dtype)
+        db = None if db is None else db.to(bias.dtype)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _check(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, chunk_size: int | None, name: str):
+    if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
+        raise ValueError(f"hidden must be a floating-point tensor [..., hidden_size]; got {_desc(hidden)}.")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a 2-D floating-point tensor [vocab, hidden_size]; got {_desc(weight)}.")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden's last dim ({hidden.shape[-1]}) must equal weight.shape[1] ({weight.shape[1]}): "
+            "pass lm_head.weight as [vocab, hidden_size] (not transposed)."
+        )
+    if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise ValueError(f"{name} must be an integer tensor of token ids; got {_desc(ids)}. Use {name}.long().")
+    if tuple(ids.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"{name} shape {tuple(ids.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}; "
+            "shift labels first if they are not aligned (labels[..., 1:] for next-token prediction)."
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"bias must be [vocab] = [{weight.shape[0]}]; got {_desc(bias)}.")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None for automatic; "
+                         f"got {chunk_size!r}.")
+    if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        raise ValueError(
+            f"hidden ({hidden.dtype}) and weight ({weight.dtype}) dtypes differ; cast one of them "
+            "(e.g. hidden.to(weight.dtype)) or run under torch.autocast as the model does."
+        )
+
+
+def _desc(x: Any) -> str:
+    return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype})" if isinstance(x, Tensor) else type(x).__name__
+
+
+def _autocast(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Cast like ``nn.Linear`` under autocast (differentiably), so the kernels see one dtype."""
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        hidden, weight = hidden.to(dt), weight.to(dt)
+        bias = None if bias is None else bias.to(dt)
+    return hidden, weight, bias
+
+
+def _compact(hidden2d: Tensor, ids: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Drop ignored positions before the matmul (saves work in proportion to the mask)."""
+    valid = ids != ignore_index
+    if bool(valid.all()):
+        return hidden2d, ids, None
+    idx = valid.nonzero().squeeze(1)
+    return hidden2d.index_select(0, idx), ids.index_select(0, idx), idx
+
+
+def _accum_dtype(weight: Tensor, accum_dtype: torch.dtype | None) -> torch.dtype:
+    if accum_dtype is None:
+        return torch.float32
+    if accum_dtype not in (torch.float32, weight.dtype):
+        raise ValueError(
+            f"accum_dtype must be torch.float32 or the weight's dtype ({weight.dtype}); got {accum_dtype}."
+        )
+    return accum_dtype
+
+
+def _check_vocab_ids(ids: Tensor, vocab: int, name: str) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(
+            f"{name} holds ids outside [0, {vocab}) (min {int(ids.min())}, max {int(ids.max())}) besides "
+            "ignore_index; check the tokenizer/vocab size or the ignore_index value."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- public
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    reduction: str = "mean",
+    num_items_in_batch: int | Tensor | None = None,
+    chunk_size: int | None = None,
+    accum_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Cross-entropy of ``z = softcap·tanh(logit_scale·(hidden @ weight.T + bias)/softcap)`` against ``labels``.
+
+    Equals ``F.cross_entropy(z.float().flatten(0, -2), labels.flatten(), ignore_index=..., label_smoothing=...,
+    reduction=...) + z_loss·mean(lse²)`` without ever building ``z``.
+
+    Args:
+        hidden: ``[..., H]`` hidden states (fp32/bf16/fp16).
+        weight: ``[V, H]`` output-embedding matrix. ``bias``: optional ``[V]``.
+        labels: ``[...]`` target ids, aligned with ``hidden`` (not shifted here); ``ignore_index`` is skipped.
+        label_smoothing: ε of ``F.cross_entropy``. ``z_loss``: λ of the auxiliary ``λ·lse²`` term.
+        softcap, logit_scale: final-logit softcapping and a multiplier on the logits (Gemma-2, Cohere, ...).
+        reduction: ``"mean"`` (over non-ignored tokens), ``"sum"`` or ``"none"`` (per token, 0 where ignored).
+        num_items_in_batch: if given, the loss is ``sum / num_items_in_batch`` (what HF's Trainer passes under
+            gradient accumulation); ``reduction`` must then not be ``"none"``.
+        chunk_size: tokens per chunk (default: automatic, see ``kernels.head.default_chunk_size``).
+        accum_dtype: dtype of the weight-gradient accumulator; default fp32 (exact for bf16 models), or the
+            weight's dtype to save ``4·V·H`` bytes.
+
+    Returns:
+        A scalar (or ``[...]`` for ``reduction="none"``), fp32.
+    """
+    _check(hidden, weight, labels, bias, chunk_size, "labels")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}; got {reduction!r}.")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1); got {label_smoothing}.")
+    if z_loss < 0:
+        raise ValueError(f"z_loss must be >= 0; got {z_loss}.")
+    if num_items_in_batch is not None and reduction == "none":
+        raise ValueError("num_items_in_batch normalizes a summed loss; use reduction='mean' or 'sum' with it.")
+    acc = _accum_dtype(weight, accum_dtype)
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    lead = labels.shape
+    h2, ids = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    hv, tv, idx = _compact(h2, ids, ignore_index)
+    tv = tv.long()
+    _check_vocab_ids(tv, weight.shape[0], "labels")
+    ep = K.Epilogue.make(logit_scale=logit_scale, softcap=softcap)
+    chunk = chunk_size or K.default_chunk_size(max(tv.numel(), 1), weight.shape[1], weight.shape[0])
+    n_valid = tv.numel()
+
+    if reduction == "none":
+        lse, zt, _, zmean = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunk, False, label_smoothing > 0, acc)
+        ce = _ce_from_stats(lse, zt, zmean, label_smoothing, z_loss)
+        if idx is None:
+            return ce.reshape(lead)
+        return torch.zeros(ids.numel(), dtype=ce.dtype, device=ce.device).index_put((idx,), ce).reshape(lead)
+
+    if num_items_in_batch is not None:
+        denom = num_items_in_batch
+    elif reduction == "mean":
+        denom = n_valid  # 0 valid tokens -> nan, as F.cross_entropy
+    else:
+        denom = 1
+    if n_valid == 0:
+        return (hv.sum() * 0.0 + weight.sum() * 0.0).float() / denom
+    if isinstance(denom, Tensor):
+        w = (1.0 / denom.to(device=hv.device, dtype=torch.float32)).expand(n_valid)
+    else:
+        w = torch.full((n_valid,), 1.0 / float(denom), dtype=torch.float32, device=hv.device)
+    return _FusedLinearCrossEntropy.apply(hv, weight, bias, tv, w, ep, float(label_smoothing), float(z_loss),
+                                          chunk, acc)
+
+
+def _ce_from_stats(lse: Tensor, zt: Tensor, zmean: Tensor | None, eps: float, zl: float) -> Tensor:
+    ce = lse - zt
+    if eps:
+        ce = (1 - eps) * ce + eps * (lse - zmean)
+    if zl:
+        ce = ce + zl * lse.square()
+    return ce
+
+
+def linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    token_ids: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int | None = -100,
+    chunk_size: int | None = None,
+    accum_dtype: torch.dtype | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Per-token ``log softmax(z)[token]`` (and entropy of ``softmax(z)``) with ``z = epilogue(hidden @ weight.T
+    + bias) / temperature``, in chunks, differentiable with respect to hidden, weight and bias.
+
+    Positions whose id equals ``ignore_index`` get log-prob 0 (and entropy 0) and cost nothing; pass
+    ``ignore_index=None`` to score every position.
+
+    Returns:
+        ``logp`` ``[...]`` fp32, or ``(logp, entropy)`` if ``return_entropy``.
+    """
+    _check(hidden, weight, token_ids, bias, chunk_size, "token_ids")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}.")
+    acc = _accum_dtype(weight, accum_dtype)
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    lead = token_ids.shape
+    h2, ids = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1)
+    if ignore_index is None:
+        hv, tv, idx = h2, ids, None
+    else:
+        hv, tv, idx = _compact(h2, ids, ignore_index)
+    tv = tv.long()
+    _check_vocab_ids(tv, weight.shape[0], "token_ids")
+    ep = K.Epilogue.make(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
+    chunk = chunk_size or K.default_chunk_size(max(tv.numel(), 1), weight.shape[1], weight.shape[0])
+    lse, zt, ent, _ = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunk, return_entropy, False, acc)
+    logp = zt - lse
+
+    def scatter(v: Tensor) -> Tensor:
+        if idx is None:
+            return v.reshape(lead)
+        return torch.zeros(ids.numel(), dtype=v.dtype, device=v.device).index_put((idx,), v).reshape(lead)
+
+    return (scatter(logp), scatter(ent)) if return_entropy else scatter(logp)

@@ -1,0 +1,36 @@
+"""Pure math, no transformers import.
+
+Each op family has a torch implementation (the CPU path and the test oracle) and, where written, a Triton
+twin with the same signature. :func:`backend` picks Triton for CUDA tensors and torch elsewhere;
+``MEMGRAD_BACKEND=torch|triton`` forces one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_BACKENDS = ("torch", "triton")
+
+
+def backend(device: torch.device | str | None = None) -> str:
+    """Return ``"torch"`` or ``"triton"`` for tensors on ``device``.
+
+    ``MEMGRAD_BACKEND`` overrides the choice (``triton`` on CPU needs ``TRITON_INTERPRET=1``).
+    """
+    forced = os.environ.get("MEMGRAD_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in _BACKENDS:
+            raise ValueError(f"MEMGRAD_BACKEND={forced!r} is not one of {_BACKENDS}; unset it or pick one.")
+        return forced
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return "triton" if dev.type == "cuda" and triton_available() else "torch"
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True

@@ -1,0 +1,311 @@
+"""Chunked LM-head math, torch path: loss, log-probs and entropies of ``z = f(x Wᵀ + b)`` without ever
+holding more than one ``[chunk x vocab]`` block of logits.
+
+Every objective the head serves has a per-token gradient of one shape (REFERENCE §2.2)::
+
+    dL/dz_j = p_j * (alpha + beta * z_j) + gamma * 1[j == t] + delta
+
+(cross-entropy, label smoothing, z-loss, log-prob and entropy all fit), so one chunk routine,
+:func:`_grad_from_probs`, produces every gradient from four per-token coefficients. Two schedules use it:
+
+* :func:`fused_cross_entropy` — gradients computed in the forward pass (6·N·V·D flops, no recompute); used for
+  scalar losses, where the upstream gradient is a single number applied in backward.
+* :func:`head_stats` + :func:`head_backward` — forward keeps only per-token statistics; backward recomputes the
+  logits chunk by chunk (8·N·V·D flops); used where per-token upstream gradients exist (log-probs, entropies,
+  ``reduction="none"``).
+
+Nothing here knows about transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """Element-wise map applied to ``u = x Wᵀ + b``: ``z = out * tanh(inp * u)`` if ``tanh`` else ``z = inp * u``.
+
+    Covers logit scales/multipliers, final-logit softcapping and sampling temperature in one form.
+    """
+
+    inp: float = 1.0
+    tanh: bool = False
+    out: float = 1.0
+
+    @staticmethod
+    def make(logit_scale: float = 1.0, softcap: float | None = None, temperature: float = 1.0) -> Epilogue:
+        """``z = softcap * tanh(logit_scale * u / softcap) / temperature`` (no tanh when ``softcap`` is None)."""
+        if softcap is not None and softcap > 0:
+            return Epilogue(inp=logit_scale / softcap, tanh=True, out=softcap / temperature)
+        return Epilogue(inp=logit_scale / temperature)
+
+    @property
+    def identity(self) -> bool:
+        return not self.tanh and self.inp == 1.0
+
+
+def apply_epilogue_(u: Tensor, ep: Epilogue) -> Tensor:
+    """In place on an fp32 ``u``; returns it."""
+    if ep.inp != 1.0:
+        u.mul_(ep.inp)
+    if ep.tanh:
+        u.tanh_()
+        if ep.out != 1.0:
+            u.mul_(ep.out)
+    return u
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, ep: Epilogue, buf: Tensor | None) -> Tensor:
+    """fp32 logits ``[c, V]`` of one chunk. The matmul runs in the weight's dtype (as ``nn.Linear`` does) so
+    results match the unpatched model; fp32 weights write straight into the reusable buffer."""
+    c = h.shape[0]
+    if weight.dtype == torch.float32 and buf is not None:
+        out = buf[:c]
+        if bias is None:
+            torch.mm(h, weight.t(), out=out)
+        else:
+            torch.addmm(bias, h, weight.t(), out=out)
+    else:
+        u = torch.nn.functional.linear(h, weight, bias)
+        if buf is not None:
+            out = buf[:c]
+            out.copy_(u)
+        else:
+            out = u.float()
+        del u
+    return apply_epilogue_(out, ep)
+
+
+@dataclass
+class Stats:
+    """Per-token statistics of the logits ``z`` (all fp32, shape ``[N]``)."""
+
+    lse: Tensor  # log Σ_j exp z_j
+    target: Tensor  # z_t (0 where the target is ignored)
+    entropy: Tensor | None = None  # H = lse - Σ_j p_j z_j
+    zmean: Tensor | None = None  # mean_j z_j (label smoothing)
+
+
+def _stats_of_chunk(z: Tensor, t: Tensor, need_entropy: bool, need_zmean: bool) -> tuple[Tensor, ...]:
+    """Consumes ``z`` (overwritten). ``t`` holds valid indices only (ignored targets clamped to 0)."""
+    zt = z.gather(1, t[:, None]).squeeze(1)
+    zmean = z.mean(1) if need_zmean else None
+    m = z.amax(1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows of -inf stay -inf, never nan
+    e = z.sub_(m).exp_()
+    s = e.sum(1)
+    lse = m.squeeze(1) + s.log()
+    ent = None
+    if need_entropy:
+        # Σ_j e_j (z_j - m) = Σ e log e; H = log s - Σ e (z - m) / s
+        ent = s.log() - torch.special.xlogy(e, e).sum(1) / s
+    return lse, zt, ent, zmean
+
+
+def _cap_derivative(z: Tensor, ep: Epilogue) -> Tensor | None:
+    """``dz/du`` of a softcap epilogue, ``inp·out·(1 - tanh²)`` with ``tanh = z/out``; read before z is consumed."""
+    if not ep.tanh:
+        return None
+    return (z / ep.out).square_().neg_().add_(1.0).mul_(ep.inp * ep.out)
+
+
+def _grad_from_probs(
+    p: Tensor,
+    t: Tensor,
+    lse: Tensor,
+    alpha: Tensor,
+    beta: Tensor | None,
+    gamma: Tensor | None,
+    delta: Tensor | None,
+    dcap: Tensor | None,
+    ep: Epilogue,
+) -> Tensor:
+    """Turn the softmax ``p`` of a chunk into ``dL/du`` in place (``u`` = pre-epilogue logits)."""
+    if beta is not None:
+        # p (alpha + beta z) = p (alpha + beta lse) + beta p log p, since z = log p + lse
+        plogp = torch.special.xlogy(p, p).mul_(beta[:, None])
+        p.mul_((alpha + beta * lse)[:, None]).add_(plogp)
+        del plogp
+    else:
+        p.mul_(alpha[:, None])
+    if gamma is not None:
+        p.scatter_add_(1, t[:, None], gamma[:, None])
+    if delta is not None:
+        p.add_(delta[:, None])
+    if dcap is not None:
+        p.mul_(dcap)
+    elif ep.inp != 1.0:
+        p.mul_(ep.inp)
+    return p
+
+
+def _accumulate(
+    du: Tensor,
+    h: Tensor,
+    weight: Tensor,
+    dx_out: Tensor | None,
+    dw: Tensor | None,
+    db: Tensor | None,
+) -> None:
+    """dX_c = dU·W (old W), dW += dUᵀ·X_c, db += Σ dU, with the GEMMs in the weight's dtype like autograd."""
+    du_lp = du if du.dtype == weight.dtype else du.to(weight.dtype)
+    if dx_out is not None:
+        if dx_out.dtype == weight.dtype:
+            torch.mm(du_lp, weight, out=dx_out)
+        else:
+            dx_out.copy_(du_lp @ weight)
+    if dw is not None:
+        if dw.dtype == du_lp.dtype:
+            dw.addmm_(du_lp.t(), h if h.dtype == dw.dtype else h.to(dw.dtype))
+        else:  # fp32 accumulator for low-precision weights: exact products of the rounded operands
+            dw.addmm_(du_lp.t().to(dw.dtype), h.to(dw.dtype))
+    if db is not None:
+        db.add_(du_lp.sum(0, dtype=db.dtype) if du_lp.dtype != db.dtype else du_lp.sum(0))
+
+
+def default_chunk_size(n_tokens: int, hidden: int, vocab: int) -> int:
+    """Tokens per chunk: the ``[chunk x vocab]`` fp32 block is kept near 2x the size of the hidden states
+    (never below 32 MiB nor above 256 MiB), a power of two so that GEMMs stay efficient."""
+    budget = min(max(2 * n_tokens * hidden * 4, 32 << 20), 256 << 20)
+    c = max(budget // (4 * vocab), 16)
+    c = 1 << (int(c).bit_length() - 1)
+    return int(max(1, min(c, n_tokens)))
+
+
+def _buffer(n: int, chunk: int, vocab: int, device: torch.device) -> Tensor:
+    return torch.empty(min(n, chunk), vocab, dtype=torch.float32, device=device)
+
+
+def head_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    ep: Epilogue,
+    *,
+    chunk_size: int,
+    need_entropy: bool = False,
+    need_zmean: bool = False,
+) -> Stats:
+    """Per-token ``lse``, target logit (and optionally entropy, mean logit) of ``z = ep(hidden Wᵀ + b)``.
+
+    ``hidden`` is ``[N, D]``, ``targets`` ``[N]`` with every index valid (callers compact ignored tokens away).
+    """
+    n = hidden.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    lse, zt = torch.empty(n, **f32), torch.empty(n, **f32)
+    ent = torch.empty(n, **f32) if need_entropy else None
+    zmean = torch.empty(n, **f32) if need_zmean else None
+    buf = _buffer(n, chunk_size, weight.shape[0], hidden.device)
+    for s in range(0, n, chunk_size):
+        e = min(s + chunk_size, n)
+        z = _chunk_logits(hidden[s:e], weight, bias, ep, buf)
+        c_lse, c_zt, c_ent, c_zm = _stats_of_chunk(z, targets[s:e], need_entropy, need_zmean)
+        lse[s:e], zt[s:e] = c_lse, c_zt
+        if ent is not None:
+            ent[s:e] = c_ent
+        if zmean is not None:
+            zmean[s:e] = c_zm
+    return Stats(lse=lse, target=zt, entropy=ent, zmean=zmean)
+
+
+def head_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    lse: Tensor,
+    ep: Epilogue,
+    alpha: Tensor,
+    beta: Tensor | None,
+    gamma: Tensor | None,
+    delta: Tensor | None,
+    *,
+    chunk_size: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+    accum_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Recompute the logits chunk by chunk and return ``(dX, dW, db)`` for the per-token coefficients."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    dx = torch.empty_like(hidden) if need_dx else None
+    dw = torch.zeros(weight.shape, dtype=accum_dtype, device=weight.device) if need_dw else None
+    db = torch.zeros(vocab, dtype=accum_dtype, device=weight.device) if need_db else None
+    buf = _buffer(n, chunk_size, vocab, hidden.device)
+
+    def part(x: Tensor | None, s: int, e: int) -> Tensor | None:
+        return None if x is None else x[s:e]
+
+    for s in range(0, n, chunk_size):
+        e = min(s + chunk_size, n)
+        h = hidden[s:e]
+        z = _chunk_logits(h, weight, bias, ep, buf)
+        dcap = _cap_derivative(z, ep)
+        p = z.sub_(lse[s:e, None]).exp_()
+        du = _grad_from_probs(p, targets[s:e], lse[s:e], alpha[s:e], part(beta, s, e), part(gamma, s, e),
+                              part(delta, s, e), dcap, ep)
+        del dcap
+        _accumulate(du, h, weight, part(dx, s, e), dw, db)
+    return dx, dw, db
+
+
+def fused_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    ep: Epilogue,
+    token_weight: Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    chunk_size: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+    accum_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """``Σ_i w_i · CE_i`` and its gradients ``(loss, dX, dW, db)`` in one pass over the logits.
+
+    ``token_weight`` ``[N]`` carries the reduction (``1/n_valid`` for a mean, ``1/num_items_in_batch``, ...).
+    ``CE_i = (1-ε)(lse - z_t) + ε(lse - mean z) + λ·lse²`` with ε = ``label_smoothing``, λ = ``z_loss``.
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    want_grad = need_dx or need_dw or need_db
+    dx = torch.empty_like(hidden) if need_dx else None
+    dw = torch.zeros(weight.shape, dtype=accum_dtype, device=weight.device) if need_dw else None
+    db = torch.zeros(vocab, dtype=accum_dtype, device=weight.device) if need_db else None
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    buf = _buffer(n, chunk_size, vocab, hidden.device)
+    eps = float(label_smoothing)
+    for s in range(0, n, chunk_size):
+        e = min(s + chunk_size, n)
+        h, t, w = hidden[s:e], targets[s:e], token_weight[s:e]
+        z = _chunk_logits(h, weight, bias, ep, buf)
+        zt = z.gather(1, t[:, None]).squeeze(1)
+        zmean = z.mean(1) if eps else None
+        dcap = _cap_derivative(z, ep) if want_grad else None
+        m = z.amax(1)
+        ex = z.sub_(m[:, None]).exp_()  # z is consumed: exp(z - m)
+        se = ex.sum(1)
+        lse = m + se.log()
+        ce = lse - zt
+        if eps:
+            ce = (1 - eps) * ce + eps * (lse - zmean)
+        if z_loss:
+            ce = ce + z_loss * lse.square()
+        loss += (w * ce).sum()
+        if want_grad:
+            alpha = w * (1 + 2 * z_loss * lse) if z_loss else w
+            gamma = -(1 - eps) * w
+            delta = -(eps / vocab) * w if eps else None
+            p = ex.div_(se[:, None])
+            du = _grad_from_probs(p, t, lse, alpha, None, gamma, delta, dcap, ep)
+            del dcap
+            _accumulate(du, h, weight, None if dx is None else dx[s:e], dw, db)
+    return loss, dx, dw, db

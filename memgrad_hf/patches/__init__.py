@@ -1,0 +1,80 @@
+"""How models are changed: the generic chunked-head patch, Titans injection, FORGE's linear swap.
+
+Nothing here does arithmetic; the math lives in :mod:`memgrad_hf.kernels` behind :mod:`memgrad_hf.functional`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from memgrad_hf.errors import UnsupportedModelError
+from memgrad_hf.patches.head import is_head_patched, patch_head, unpatch_head
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (``PeftModel.get_base_model()``), else ``model``."""
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base) and type(model).__module__.startswith("peft"):
+        return get_base()
+    return model
+
+
+def patch_model(
+    model: nn.Module,
+    *,
+    head: bool = True,
+    titans: Any = None,
+    chunk_size: int | None = None,
+    accum_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Patch a transformers ``*ForCausalLM`` (or a PEFT model around one) in place and return it.
+
+    Args:
+        head: chunked LM head — in training forwards with ``labels`` the ``[tokens x vocab]`` logits are never
+            built; the loss and every gradient equal HF's. ``outputs.logits`` is ``None`` for those calls;
+            ``model.eval()`` forwards and ``generate`` are unchanged. Pass ``skip_logits=True/False`` to a forward
+            to force the choice.
+        titans: a :class:`memgrad_hf.titans.TitansConfig` to add neural-memory layers.
+        chunk_size: tokens per head chunk (default: automatic).
+        accum_dtype: head weight-gradient accumulator dtype (default fp32; the weight's dtype saves memory).
+
+    Example::
+
+        import memgrad_hf
+        from transformers import AutoModelForCausalLM
+        model = memgrad_hf.patch_model(AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-0.5B"))
+        loss = model(input_ids=ids, labels=ids).loss   # same loss and gradients, no logits tensor
+
+    Raises:
+        UnsupportedModelError: the model lacks what the patch needs (the message names the class and what).
+        ValueError: a bad argument (the message says the fix).
+    """
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(f"patch_model expects a torch.nn.Module; got {type(model).__name__}.")
+    target = _causal_lm(model)
+    if head:
+        patch_head(target, chunk_size=chunk_size, accum_dtype=accum_dtype)
+    if titans is not None:
+        from memgrad_hf.patches.titans import inject_titans
+
+        inject_titans(target, titans)
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_model` exactly; a model that was never patched is returned unchanged."""
+    target = _causal_lm(model)
+    unpatch_head(target)
+    try:
+        from memgrad_hf.patches.titans import remove_titans
+    except ImportError:
+        pass
+    else:
+        remove_titans(target)
+    return model
+
+
+__all__ = ["patch_model", "unpatch_model", "is_head_patched", "UnsupportedModelError"]

@@ -1,0 +1,331 @@
+"""The generic chunked-head patch for any transformers ``*ForCausalLM``.
+
+How it works, without a hand-copied forward per model:
+
+1. ``model.forward`` is wrapped (signature preserved, so ``generate`` and the Trainer see the original).
+2. In a training forward with ``labels`` the model's own forward runs unchanged, except that for this one call
+   its output-embedding module returns a :class:`~memgrad_hf.patches.probe.LogitsProbe` (no data; it records
+   the softcap/scale ops the model applies) and its ``loss_function`` is memgrad's.
+3. The model calls ``self.loss_function(logits=probe, labels=..., num_items_in_batch=..., ...)`` exactly as it
+   would call HF's ``ForCausalLMLoss``; memgrad's loss shifts the labels the same way and computes the loss from
+   the captured hidden states with :func:`memgrad_hf.functional.linear_cross_entropy`. Whatever the model adds
+   to the loss afterwards (MoE auxiliary losses) is added to a real tensor as usual.
+4. ``outputs.logits`` is ``None`` for such calls. Evaluation (``model.eval()``) and ``generate`` run the
+   original forward and return the same logits as the unpatched model.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memgrad_hf.errors import UnsupportedModelError
+from memgrad_hf.functional import linear_cross_entropy
+from memgrad_hf.patches.probe import Chain, LogitsProbe
+
+_ATTR = "_memgrad_head"
+
+
+@dataclass
+class HeadPatch:
+    """Bookkeeping stored on a patched model (``model._memgrad_head``)."""
+
+    chunk_size: int | None
+    accum_dtype: torch.dtype | None
+    original: Any  # the forward callable that was in place before patching
+    had_instance_forward: bool
+    signature: inspect.Signature = field(repr=False)
+
+
+# ------------------------------------------------------------------------------------------ head resolution
+
+
+def _is_plain_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+
+
+def resolve_head(head: nn.Module, hidden: torch.Tensor, owner: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``(hidden', weight, bias)`` such that ``head(hidden) == hidden' @ weight.T + bias``, differentiably.
+
+    Handles ``nn.Linear``, PEFT LoRA on the head (adapters train: their delta enters the weight, or, with
+    active dropout, extra input columns) and PEFT ``modules_to_save``.
+    """
+    if _is_plain_linear(head):
+        return hidden, head.weight, head.bias
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:  # peft absent: only plain heads exist
+        LoraLinear = ModulesToSaveWrapper = ()  # type: ignore[assignment]
+    if ModulesToSaveWrapper and isinstance(head, ModulesToSaveWrapper):
+        active = head.active_adapters
+        if head.disable_adapters or not active or any(a not in head.modules_to_save for a in active):
+            return resolve_head(head.original_module, hidden, owner)
+        return resolve_head(head.modules_to_save[active[0]], hidden, owner)
+    if LoraLinear and isinstance(head, LoraLinear):
+        return _resolve_lora(head, hidden, owner)
+    raise UnsupportedModelError(
+        f"{owner}'s output embeddings are a {type(head).__name__}; memgrad_hf's chunked head supports nn.Linear, "
+        "PEFT LoRA and modules_to_save heads. Use patch_model(model, head=False) for this model."
+    )
+
+
+def _resolve_lora(head: nn.Module, hidden: torch.Tensor, owner: str):
+    base = head.get_base_layer()
+    if not _is_plain_linear(base):
+        raise UnsupportedModelError(f"{owner}: LoRA on an LM head whose base layer is {type(base).__name__}.")
+    weight, bias = base.weight, base.bias
+    if head.disable_adapters or head.merged:
+        return hidden, weight, bias
+    if head.fan_in_fan_out:
+        raise UnsupportedModelError(f"{owner}: LoRA with fan_in_fan_out=True on the LM head is not supported.")
+    cols_h, cols_w = [hidden], [weight]
+    for name in head.active_adapters:
+        if name not in head.lora_A:
+            continue
+        if name in getattr(head, "lora_variant", {}):
+            raise UnsupportedModelError(
+                f"{owner}: the LM head's LoRA adapter {name!r} is a {type(head.lora_variant[name]).__name__} "
+                "variant (e.g. DoRA); memgrad_hf supports vanilla LoRA on lm_head. Drop lm_head from "
+                "target_modules or use patch_model(model, head=False)."
+            )
+        a, b = head.lora_A[name], head.lora_B[name]
+        if b.bias is not None:
+            bias = b.bias if bias is None else bias + b.bias
+        delta = (b.weight @ a.weight) * head.scaling[name]
+        dropout = head.lora_dropout[name]
+        if isinstance(dropout, nn.Identity) or not dropout.training:
+            cols_w[0] = cols_w[0] + delta.to(weight.dtype)
+        else:  # x W + drop(x) Δ  ==  [x, drop(x)] @ [W, Δ]ᵀ  keeps dropout exact
+            cols_h.append(dropout(hidden.to(a.weight.dtype)).to(hidden.dtype))
+            cols_w.append(delta.to(weight.dtype))
+    if len(cols_h) == 1:
+        return hidden, cols_w[0], bias
+    return torch.cat(cols_h, dim=-1), torch.cat(cols_w, dim=1), bias
+
+
+# ------------------------------------------------------------------------------------------ capture
+
+
+@dataclass
+class _Capture:
+    owner: str
+    vocab: int
+    hidden: torch.Tensor | None = None
+    head_calls: int = 0
+    loss_calls: int = 0
+
+
+def _head_out_features(head: nn.Module) -> int:
+    for attr in ("out_features",):
+        if isinstance(getattr(head, attr, None), int):
+            return getattr(head, attr)
+    w = getattr(head, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 2:
+        return w.shape[0]
+    raise UnsupportedModelError(f"cannot read the vocabulary size of output embeddings {type(head).__name__}.")
+
+
+@contextmanager
+def _capturing(model: nn.Module, patch: HeadPatch):
+    owner = type(model).__name__
+    head = model.get_output_embeddings()
+    if head is None:
+        raise UnsupportedModelError(f"{owner}.get_output_embeddings() returned None: no LM head to chunk.")
+    cap = _Capture(owner=owner, vocab=_head_out_features(head))
+
+    def head_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> LogitsProbe:
+        cap.head_calls += 1
+        if cap.head_calls > 1:
+            raise UnsupportedModelError(
+                f"{owner} calls its LM head more than once per forward; memgrad_hf cannot chunk it exactly."
+            )
+        cap.hidden = x
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        return LogitsProbe((*x.shape[:-1], cap.vocab), dtype, x.device, Chain(), owner)
+
+    original_loss = model.loss_function
+
+    def loss_function(logits: Any, labels: Any = None, vocab_size: int | None = None, *args: Any, **kwargs: Any):
+        if not isinstance(logits, LogitsProbe):
+            return original_loss(logits, labels, vocab_size, *args, **kwargs)
+        cap.loss_calls += 1
+        return _chunked_causal_lm_loss(model, head, cap, patch, logits, labels, vocab_size, *args, **kwargs)
+
+    had_fwd = "forward" in head.__dict__
+    prev_fwd = head.__dict__.get("forward")
+    had_loss = "_loss_function" in model.__dict__
+    prev_loss = model.__dict__.get("_loss_function")
+    head.forward = head_forward
+    model.loss_function = loss_function
+    try:
+        yield cap
+    finally:
+        if had_fwd:
+            head.forward = prev_fwd
+        else:
+            del head.forward
+        if had_loss:
+            model._loss_function = prev_loss
+        else:
+            del model._loss_function
+
+
+def _chunked_causal_lm_loss(
+    model: nn.Module,
+    head: nn.Module,
+    cap: _Capture,
+    patch: HeadPatch,
+    logits: LogitsProbe,
+    labels: torch.Tensor,
+    vocab_size: int | None = None,
+    num_items_in_batch: Any = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **_: Any,
+) -> torch.Tensor:
+    """``ForCausalLMLoss`` semantics (label shift, ``ignore_index``, ``num_items_in_batch``, ``shift_labels``)."""
+    chain: Chain = logits._chain
+    hidden = cap.hidden
+    v = chain.vocab_limit or logits.shape[-1]
+    if vocab_size is not None and vocab_size != v:
+        raise UnsupportedModelError(
+            f"{cap.owner}: loss called with vocab_size={vocab_size} but the LM head produces {v} logits."
+        )
+    if shift_labels is None:
+        labels = F.pad(labels.to(hidden.device), (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    if shift_labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"labels give targets of shape {tuple(shift_labels.shape)} but the LM head saw hidden states of shape "
+            f"{tuple(hidden.shape[:-1])}; with logits_to_keep, pass labels for the kept positions only."
+        )
+    h, weight, bias = resolve_head(head, hidden, cap.owner)
+    if chain.vocab_limit is not None:
+        weight = weight[: chain.vocab_limit]
+        bias = None if bias is None else bias[: chain.vocab_limit]
+    ep = chain.epilogue()
+    softcap = ep.out if ep.tanh else None
+    scale = ep.inp * ep.out if ep.tanh else ep.inp
+    return linear_cross_entropy(
+        h, weight, shift_labels, bias=bias, ignore_index=ignore_index, softcap=softcap, logit_scale=scale,
+        num_items_in_batch=num_items_in_batch, chunk_size=patch.chunk_size, accum_dtype=patch.accum_dtype,
+    )
+
+
+# ------------------------------------------------------------------------------------------ install
+
+
+def _strip_probes(out: Any) -> Any:
+    if isinstance(out, tuple):
+        return tuple(None if isinstance(o, LogitsProbe) else o for o in out)
+    if hasattr(out, "keys"):
+        for k in list(out.keys()):
+            if isinstance(out[k], LogitsProbe):
+                out[k] = None
+    return out
+
+
+def _patched_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    patch: HeadPatch = getattr(self, _ATTR)
+    skip_logits = kwargs.pop("skip_logits", None)
+    labels = kwargs.get("labels")
+    if labels is None and args:
+        labels = patch.signature.bind_partial(*args, **kwargs).arguments.get("labels")
+    chunked = labels is not None and (
+        bool(skip_logits) if skip_logits is not None else (self.training and torch.is_grad_enabled())
+    )
+    if not chunked:
+        return patch.original(*args, **kwargs)
+    with _capturing(self, patch) as cap:
+        out = patch.original(*args, **kwargs)
+    if cap.head_calls == 0:
+        raise UnsupportedModelError(
+            f"{cap.owner}.forward never called its output embeddings module (get_output_embeddings()); "
+            "memgrad_hf cannot find the LM head of this model."
+        )
+    if cap.loss_calls == 0:
+        raise UnsupportedModelError(
+            f"{cap.owner}.forward got labels but computed no loss through self.loss_function; memgrad_hf's chunked "
+            "head needs that standard transformers call. Use patch_model(model, head=False)."
+        )
+    return _strip_probes(out)
+
+
+def validate(model: nn.Module) -> None:
+    """Raise :class:`UnsupportedModelError` if ``model`` lacks what the generic head patch needs."""
+    owner = type(model).__name__
+    try:
+        from transformers import PreTrainedModel
+    except ImportError as e:  # pragma: no cover - transformers is a dependency
+        raise UnsupportedModelError("transformers is required to patch a model") from e
+    if not isinstance(model, PreTrainedModel):
+        raise UnsupportedModelError(f"{owner} is not a transformers PreTrainedModel; pass a *ForCausalLM model.")
+    head = model.get_output_embeddings()
+    if head is None:
+        raise UnsupportedModelError(
+            f"{owner} has no output embeddings (get_output_embeddings() is None): pass the *ForCausalLM class, "
+            "not the bare backbone."
+        )
+    if "labels" not in inspect.signature(type(model).forward).parameters:
+        raise UnsupportedModelError(f"{owner}.forward takes no `labels`; it is not a causal LM with a loss.")
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type not in (None, "ForCausalLM"):
+        raise UnsupportedModelError(
+            f"{owner} uses loss_type={loss_type!r}; memgrad_hf's chunked head reproduces ForCausalLM only."
+        )
+    if "_loss_function" in model.__dict__:
+        raise UnsupportedModelError(
+            f"{owner} has a custom loss_function set; the chunked head would bypass it. Use "
+            "patch_model(model, head=False), or compute your loss with memgrad_hf.functional."
+        )
+
+
+def patch_head(model: nn.Module, *, chunk_size: int | None = None, accum_dtype: torch.dtype | None = None) -> None:
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None; got {chunk_size!r}.")
+    if accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"accum_dtype must be None, torch.float32 or the weight dtype; got {accum_dtype!r}.")
+    existing: HeadPatch | None = getattr(model, _ATTR, None)
+    if existing is not None:  # patching twice only updates the options
+        existing.chunk_size, existing.accum_dtype = chunk_size, accum_dtype
+        return
+    validate(model)
+    had = "forward" in model.__dict__
+    original = model.forward
+    sig = inspect.signature(type(model).forward)
+    sig = sig.replace(parameters=list(sig.parameters.values())[1:])  # drop self
+    setattr(model, _ATTR, HeadPatch(chunk_size, accum_dtype, original, had, sig))
+    # A method bound to the model (not a closure) so that copy.deepcopy(model) rebinds it to the copy;
+    # __wrapped__ keeps inspect.signature == the class's (generate() and the Trainer inspect it).
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _patched_forward(self, *args, **kwargs)
+
+    functools.update_wrapper(forward, type(model).forward)
+    model.forward = types.MethodType(forward, model)
+
+
+def unpatch_head(model: nn.Module) -> bool:
+    patch: HeadPatch | None = getattr(model, _ATTR, None)
+    if patch is None:
+        return False
+    if patch.had_instance_forward:
+        model.forward = patch.original
+    else:
+        del model.forward
+    delattr(model, _ATTR)
+    return True
+
+
+def is_head_patched(model: nn.Module) -> bool:
+    return getattr(model, _ATTR, None) is not None

@@ -1,0 +1,128 @@
+"""A stand-in for the logits that records what a model's forward does to them.
+
+While a patched model runs a training forward, its output-embedding module returns a :class:`LogitsProbe`
+instead of computing ``[tokens x vocab]`` logits. The probe holds no data; every op the model applies to it
+(softcapping, logit scales, a vocab slice, a dtype cast) is parsed into an :class:`~memgrad_hf.kernels.head.
+Epilogue` that the chunked head then applies per chunk. Any op outside that small algebra raises
+:class:`~memgrad_hf.errors.UnsupportedModelError` at once, naming the op: a model is never silently computed
+differently from what its own code says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from memgrad_hf.errors import UnsupportedModelError
+from memgrad_hf.kernels.head import Epilogue
+
+aten = torch.ops.aten
+
+# Ops that neither change values nor which tokens/vocab entries are selected.
+_PASSTHROUGH = {
+    aten.alias.default, aten.detach.default, aten.clone.default, aten.contiguous.default,
+    aten._to_copy.default, aten.lift_fresh.default,
+}
+_MUL = {aten.mul.Tensor, aten.mul.Scalar}
+_DIV = {aten.div.Tensor, aten.div.Scalar}
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+@dataclass(frozen=True)
+class Chain:
+    """What has been applied to the logits so far: ``z = post * tanh(pre * u)`` (or ``pre * u``), then a vocab
+    slice ``[:vocab_limit]``."""
+
+    pre: float = 1.0
+    tanh: bool = False
+    post: float = 1.0
+    vocab_limit: int | None = None
+
+    def epilogue(self) -> Epilogue:
+        if self.tanh:
+            return Epilogue(inp=self.pre, tanh=True, out=self.post)
+        return Epilogue(inp=self.pre * self.post)
+
+    def scaled(self, factor: float) -> Chain:
+        return replace(self, post=self.post * factor) if self.tanh else replace(self, pre=self.pre * factor)
+
+
+def _scalar(x: Any) -> float | None:
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    if isinstance(x, torch.Tensor) and not isinstance(x, LogitsProbe) and x.numel() == 1 and not x.requires_grad:
+        return float(x.detach().reshape(()).item())
+    return None
+
+
+class LogitsProbe(torch.Tensor):
+    """Data-less tensor shaped like the logits; see the module docstring."""
+
+    _chain: Chain
+    _owner: str
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, device: torch.device, chain: Chain, owner: str):
+        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+        r._chain = chain
+        r._owner = owner
+        return r
+
+    def __repr__(self) -> str:  # never touch data
+        return f"LogitsProbe(shape={tuple(self.shape)}, {self._chain})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        probes = [a for a in args if isinstance(a, LogitsProbe)]
+        src = probes[0]
+        chain = _parse(func, args, kwargs, src)
+        meta = tree_map(
+            lambda a: torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+            if isinstance(a, torch.Tensor) else a,
+            (args, kwargs),
+        )
+        out = func(*meta[0], **meta[1])
+        if not isinstance(out, torch.Tensor):
+            raise UnsupportedModelError(_unsupported(src._owner, func))
+        return LogitsProbe(out.shape, out.dtype, src.device, chain, src._owner)
+
+
+def _unsupported(owner: str, func: Any) -> str:
+    return (
+        f"{owner}.forward applies `{func}` to the logits after the LM head; memgrad_hf's chunked head models "
+        "only logit scales/multipliers, final-logit softcapping, dtype casts and a vocab slice, so it cannot "
+        "reproduce this model's loss exactly. Use patch_model(model, head=False), or open an issue with the "
+        "model class."
+    )
+
+
+def _parse(func: Any, args: tuple, kwargs: dict, src: LogitsProbe) -> Chain:
+    chain = src._chain
+    if func in _PASSTHROUGH:
+        if func is aten._to_copy.default and kwargs.get("device") not in (None, src.device):
+            raise UnsupportedModelError(_unsupported(src._owner, func))
+        return chain
+    if len(args) >= 2 and isinstance(args[0], LogitsProbe) and not isinstance(args[1], LogitsProbe):
+        k = _scalar(args[1])
+        if k is not None and func in _MUL:
+            return chain.scaled(k)
+        if k is not None and func in _DIV and k != 0:
+            return chain.scaled(1.0 / k)
+    if func is aten.tanh.default and not chain.tanh and chain.vocab_limit is None:
+        return replace(chain, tanh=True)
+    if func in _VIEWS and args[1] and int(list(args[1])[-1]) == src.shape[-1]:
+        # reshapes that keep the vocab axis (e.g. logits.view(-1, V)) do not change the math
+        return chain
+    if func is aten.slice.Tensor:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        start = args[2] if len(args) > 2 else kwargs.get("start", None)
+        end = args[3] if len(args) > 3 else kwargs.get("end", None)
+        step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+        if dim in (-1, src.dim() - 1) and (start in (None, 0)) and step == 1:
+            limit = src.shape[-1] if end is None else min(int(end), src.shape[-1])
+            return replace(chain, vocab_limit=limit)
+    raise UnsupportedModelError(_unsupported(src._owner, func))

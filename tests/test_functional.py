@@ -1,0 +1,196 @@
+"""memgrad_hf.functional against PyTorch references (fp32 tight, bf16 with stated tolerances)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memgrad_hf.functional import linear_cross_entropy, linear_logprobs
+from tests.helpers import LargestTensor, rel_err
+
+N, D, V = 45, 16, 103
+
+
+def _inputs(dtype=torch.float32, bias=False, ignore_every=5):
+    h = torch.randn(N, D, dtype=dtype, requires_grad=True)
+    w = (torch.randn(V, D) * 0.5).to(dtype).requires_grad_()
+    b = torch.randn(V, dtype=dtype, requires_grad=True) if bias else None
+    y = torch.randint(0, V, (N,))
+    if ignore_every:
+        y[::ignore_every] = -100
+    return h, w, b, y
+
+
+def _ref_logits(h, w, b, softcap=None, scale=1.0, temperature=1.0):
+    z = F.linear(h, w, b).float() * scale
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    return z / temperature
+
+
+def _params(h, w, b):
+    return [h, w] + ([b] if b is not None else [])
+
+
+CE_CASES = [
+    {},
+    {"label_smoothing": 0.1},
+    {"z_loss": 1e-2},
+    {"softcap": 3.0},
+    {"logit_scale": 0.5},
+    {"logit_scale": 0.25, "softcap": 2.0, "label_smoothing": 0.05},
+    {"reduction": "sum"},
+    {"reduction": "none"},
+    {"reduction": "none", "label_smoothing": 0.2, "z_loss": 1e-3},
+    {"num_items_in_batch": 50},
+    {"num_items_in_batch": torch.tensor(61)},
+]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("kw", CE_CASES, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()) or "plain")
+@pytest.mark.parametrize("chunk", [7, None])
+def test_cross_entropy_matches_torch_fp32(kw, bias, chunk):
+    h, w, b, y = _inputs(bias=bias)
+    z = _ref_logits(h, w, b, kw.get("softcap"), kw.get("logit_scale", 1.0))
+    red = "sum" if "num_items_in_batch" in kw else kw.get("reduction", "mean")
+    ref = F.cross_entropy(z, y, label_smoothing=kw.get("label_smoothing", 0.0), reduction=red)
+    if kw.get("z_loss"):
+        zl = kw["z_loss"] * torch.logsumexp(z, -1).square() * (y != -100)
+        ref = ref + (zl if red == "none" else zl.sum() / (y != -100).sum())
+    if "num_items_in_batch" in kw:
+        ref = ref / kw["num_items_in_batch"]
+    out = linear_cross_entropy(h, w, y, bias=b, chunk_size=chunk, **kw)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert rel_err(out, ref) < 1e-5
+    g = torch.randn_like(ref) if ref.dim() else torch.tensor(1.7)
+    for a, r in zip(torch.autograd.grad(out, _params(h, w, b), g), torch.autograd.grad(ref, _params(h, w, b), g),
+                    strict=True):
+        assert rel_err(a, r) < 1e-5
+
+
+def test_cross_entropy_batched_shapes_and_no_grad():
+    h = torch.randn(3, 5, D)
+    w = torch.randn(V, D)
+    y = torch.randint(0, V, (3, 5))
+    with torch.no_grad():
+        out = linear_cross_entropy(h, w, y, chunk_size=4)
+    ref = F.cross_entropy((h @ w.T).flatten(0, 1), y.flatten())
+    assert rel_err(out, ref) < 1e-6
+    none = linear_cross_entropy(h, w, y, reduction="none")
+    assert none.shape == (3, 5)
+
+
+def test_all_ignored_mean_is_nan_like_torch_and_sum_is_zero():
+    h, w, _, y = _inputs()
+    y[:] = -100
+    assert torch.isnan(linear_cross_entropy(h, w, y)) == torch.isnan(F.cross_entropy(h @ w.T, y))
+    s = linear_cross_entropy(h, w, y, num_items_in_batch=4)
+    assert s.item() == 0.0
+    s.backward()
+    assert h.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_cross_entropy_bf16_close_to_torch(dtype):
+    # bf16 logits are rounded exactly as nn.Linear rounds them; remaining differences come from summation order.
+    h, w, b, y = _inputs(dtype=dtype, bias=True)
+    ref = F.cross_entropy(F.linear(h, w, b).float(), y)
+    gr = torch.autograd.grad(ref, [h, w, b])
+    out = linear_cross_entropy(h, w, y, bias=b, chunk_size=8)
+    go = torch.autograd.grad(out, [h, w, b])
+    assert rel_err(out, ref) < 1e-5
+    for a, r in zip(go, gr, strict=True):
+        assert a.dtype == dtype
+        assert rel_err(a, r) < 2e-2  # one bf16 rounding of the gradient (2^-8) plus accumulation order
+
+
+def test_bf16_weight_gradient_fp32_accumulation_beats_bf16_accumulation():
+    torch.manual_seed(1)
+    n, d, v = 2048, 32, 64
+    h = torch.randn(n, d, dtype=torch.bfloat16)
+    w = torch.randn(v, d, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, v, (n,))
+    exact = torch.autograd.grad(F.cross_entropy(F.linear(h.double(), w.double()), y), w)[0]
+    g32 = torch.autograd.grad(linear_cross_entropy(h, w, y, chunk_size=16), w)[0]
+    g16 = torch.autograd.grad(linear_cross_entropy(h, w, y, chunk_size=16, accum_dtype=torch.bfloat16), w)[0]
+    assert rel_err(g32, exact) < rel_err(g16, exact)
+    assert rel_err(g32, exact) < 8e-3
+
+
+def test_autocast_matches_linear_under_autocast():
+    h, w, b, y = _inputs(bias=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(F.linear(h, w, b).float(), y)
+        out = linear_cross_entropy(h, w, y, bias=b, chunk_size=8)
+    assert rel_err(out, ref) < 1e-5
+    for a, r in zip(torch.autograd.grad(out, [h, w, b]), torch.autograd.grad(ref, [h, w, b]), strict=True):
+        assert a.dtype == torch.float32
+        assert rel_err(a, r) < 2e-2
+
+
+@pytest.mark.parametrize("kw", [{}, {"temperature": 0.7}, {"softcap": 5.0, "temperature": 1.3}, {"logit_scale": 2.0}])
+@pytest.mark.parametrize("bias", [False, True])
+def test_logprobs_and_entropy_match_log_softmax(kw, bias):
+    h, w, b, y = _inputs(bias=bias)
+    z = _ref_logits(h, w, b, kw.get("softcap"), kw.get("logit_scale", 1.0), kw.get("temperature", 1.0))
+    ls = z.log_softmax(-1)
+    mask = y != -100
+    ref_lp = ls.gather(-1, y.clamp(min=0)[:, None]).squeeze(-1) * mask
+    ref_ent = -(ls.exp() * ls).sum(-1) * mask
+    lp, ent = linear_logprobs(h, w, y, bias=b, return_entropy=True, chunk_size=6, **kw)
+    assert rel_err(lp, ref_lp) < 1e-5 and rel_err(ent, ref_ent) < 1e-5
+    g1, g2 = torch.randn_like(lp), torch.randn_like(ent)
+    got = torch.autograd.grad((lp * g1).sum() + (ent * g2).sum(), _params(h, w, b))
+    exp = torch.autograd.grad((ref_lp * g1).sum() + (ref_ent * g2).sum(), _params(h, w, b), retain_graph=True)
+    for a, r in zip(got, exp, strict=True):
+        assert rel_err(a, r) < 1e-5
+    # log-probs alone: the entropy branch of the gradient is skipped, results unchanged
+    lp_only = linear_logprobs(h, w, y, bias=b, chunk_size=6, **kw)
+    got = torch.autograd.grad((lp_only * g1).sum(), _params(h, w, b))
+    exp = torch.autograd.grad((ref_lp * g1).sum(), _params(h, w, b))
+    for a, r in zip(got, exp, strict=True):
+        assert rel_err(a, r) < 1e-5
+
+
+def test_logprobs_score_every_position_when_ignore_index_none():
+    h, w, _, y = _inputs(ignore_every=0)
+    lp = linear_logprobs(h, w, y, ignore_index=None)
+    ref = (h @ w.T).log_softmax(-1).gather(-1, y[:, None]).squeeze(-1)
+    assert rel_err(lp, ref) < 1e-5
+
+
+def test_never_materializes_tokens_by_vocab():
+    n, d, v, chunk = 256, 16, 512, 16
+    h = torch.randn(n, d, requires_grad=True)
+    w = torch.randn(v, d, requires_grad=True)
+    y = torch.randint(0, v, (n,))
+    with LargestTensor() as mode:
+        linear_cross_entropy(h, w, y, chunk_size=chunk).backward()
+        lp, ent = linear_logprobs(h, w, y, chunk_size=chunk, return_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+    assert mode.max_numel <= max(chunk * v, v * d), (mode.max_numel, mode.op)
+    with LargestTensor() as full:
+        F.cross_entropy(h @ w.T, y).backward()
+    assert full.max_numel >= n * v  # the detector does see a full logits tensor
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda h, w, y: linear_cross_entropy(h, w.T, y), "hidden's last dim"),
+        (lambda h, w, y: linear_cross_entropy(h, w, y.float()), "integer tensor"),
+        (lambda h, w, y: linear_cross_entropy(h, w, y[:-1]), "shape"),
+        (lambda h, w, y: linear_cross_entropy(h, w, y, chunk_size=0), "chunk_size"),
+        (lambda h, w, y: linear_cross_entropy(h, w, y, reduction="avg"), "reduction"),
+        (lambda h, w, y: linear_cross_entropy(h, w, y, label_smoothing=1.5), "label_smoothing"),
+        (lambda h, w, y: linear_cross_entropy(h.double(), w, y), "dtypes differ"),
+        (lambda h, w, y: linear_cross_entropy(h, w, y + V), "outside"),
+        (lambda h, w, y: linear_cross_entropy(h, w, y, reduction="none", num_items_in_batch=3), "num_items"),
+        (lambda h, w, y: linear_logprobs(h, w, y, temperature=0.0), "temperature"),
+        (lambda h, w, y: linear_cross_entropy(h, w, y, accum_dtype=torch.float16), "accum_dtype"),
+    ],
+)
+def test_bad_arguments_raise_value_error_with_fix(call, match):
+    h, w, _, y = _inputs(ignore_every=0)
+    with pytest.raises(ValueError, match=match):
+        call(h, w, y)
