@@ -1,0 +1,276 @@
+"""Behaviour of the patched head: HF loss options, eval/generate, save/unpatch, checkpointing, PEFT, errors."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memgrad_hf
+from memgrad_hf import UnsupportedModelError
+from tests.helpers import LargestTensor
+from tests.patches.test_models import _assert_same, _loss_and_grads
+from tests.tiny_models import VOCAB, tiny_model
+
+
+def _pair(family="llama", tied=False, **extra):
+    model = tiny_model(family, tied=tied, **extra).train()
+    return model, copy.deepcopy(model)
+
+
+def _batch(b=2, t=9):
+    ids = torch.randint(1, VOCAB, (b, t))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"num_items_in_batch": torch.tensor(23)},  # what the Trainer passes under gradient accumulation
+        {"num_items_in_batch": 5},
+        {"ignore_index": 7},
+    ],
+    ids=["num_items_tensor", "num_items_int", "ignore_index"],
+)
+def test_hf_loss_kwargs_are_honoured(kw):
+    model, ref = _pair()
+    ids, labels = _batch()
+    if "ignore_index" in kw:
+        labels = ids.clone()
+        labels[1, 2:5] = kw["ignore_index"]
+    ref_out, ref_g = _loss_and_grads(ref, ids, labels, **kw)
+    memgrad_hf.patch_model(model, chunk_size=3)
+    out, g = _loss_and_grads(model, ids, labels, **kw)
+    _assert_same(out, g, ref_out, ref_g)
+
+
+def test_shift_labels_are_used_unshifted():
+    model, ref = _pair()
+    ids, _ = _batch()
+    shift = torch.randint(0, VOCAB, ids.shape)
+    shift[:, -2:] = -100
+    ref_out, ref_g = _loss_and_grads(ref, ids, ids, shift_labels=shift)
+    memgrad_hf.patch_model(model)
+    out, g = _loss_and_grads(model, ids, ids, shift_labels=shift)
+    _assert_same(out, g, ref_out, ref_g)
+
+
+def test_logits_to_keep_with_labels_for_kept_positions():
+    model, ref = _pair()
+    ids, labels = _batch()
+    ref_out, ref_g = _loss_and_grads(ref, ids, labels[:, -4:], logits_to_keep=4)
+    memgrad_hf.patch_model(model)
+    out, g = _loss_and_grads(model, ids, labels[:, -4:], logits_to_keep=4)
+    _assert_same(out, g, ref_out, ref_g)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(input_ids=ids, labels=labels, logits_to_keep=4)
+
+
+def test_positional_labels_and_return_dict_false():
+    model, ref = _pair()
+    ids, labels = _batch()
+    memgrad_hf.patch_model(model)
+    torch.manual_seed(1)
+    ref_loss = ref(ids, None, None, None, None, labels).loss
+    out = model(ids, None, None, None, None, labels, return_dict=False)
+    assert isinstance(out, tuple) and not any(isinstance(o, torch.Tensor) and o.dim() == 3 for o in out)
+    assert torch.allclose(out[0], ref_loss, rtol=1e-6)
+
+
+def test_eval_logits_and_loss_unchanged():
+    model, ref = _pair()
+    ids, labels = _batch()
+    memgrad_hf.patch_model(model)
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        a, b = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    assert torch.equal(a.logits, b.logits)
+    assert torch.equal(a.loss, b.loss)
+    # skip_logits=True forces the chunked path even in eval (loss only)
+    with torch.no_grad():
+        c = model(input_ids=ids, labels=labels, skip_logits=True)
+    assert c.logits is None and torch.allclose(c.loss, b.loss, rtol=1e-6)
+    # and skip_logits=False keeps the full logits in training
+    model.train()
+    d = model(input_ids=ids, labels=labels, skip_logits=False)
+    assert d.logits is not None and d.logits.shape[-1] == VOCAB
+
+
+def test_greedy_generation_identical():
+    model, ref = _pair()
+    memgrad_hf.patch_model(model)
+    model.eval(), ref.eval()
+    ids = torch.randint(1, VOCAB, (2, 5))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_save_pretrained_keys_and_reload_in_plain_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, ref = _pair()
+    memgrad_hf.patch_model(model)
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for (n, p), (_, q) in zip(loaded.state_dict().items(), ref.state_dict().items(), strict=True):
+        assert torch.equal(p, q), n
+
+
+def test_unpatch_restores_and_double_patch_is_harmless():
+    model, ref = _pair()
+    original_forward = model.forward
+    memgrad_hf.patch_model(model)
+    memgrad_hf.patch_model(model, chunk_size=2)  # only updates options
+    ids, labels = _batch()
+    assert model(input_ids=ids, labels=labels).logits is None
+    memgrad_hf.unpatch_model(model)
+    assert "forward" not in model.__dict__ and not hasattr(model, "_memgrad_head")
+    assert model.forward == original_forward
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is not None
+    torch.manual_seed(1)
+    assert torch.equal(model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss)
+    memgrad_hf.unpatch_model(model)  # unpatching an unpatched model is a no-op
+
+
+def test_deepcopy_of_patched_model_patches_the_copy():
+    model, _ = _pair()
+    memgrad_hf.patch_model(model)
+    clone = copy.deepcopy(model)
+    assert clone.forward.__self__ is clone
+    ids, labels = _batch()
+    assert clone(input_ids=ids, labels=labels).logits is None
+
+
+def test_gradient_checkpointing():
+    model, ref = _pair()
+    for m in (model, ref):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, labels = _batch()
+    ref_out, ref_g = _loss_and_grads(ref, ids, labels)
+    memgrad_hf.patch_model(model)
+    out, g = _loss_and_grads(model, ids, labels)
+    _assert_same(out, g, ref_out, ref_g)
+
+
+def test_no_tokens_by_vocab_tensor_in_model_forward_and_backward():
+    model = tiny_model("llama", vocab_size=4096).train()
+    ids = torch.randint(1, 4096, (4, 64))
+    memgrad_hf.patch_model(model, chunk_size=16)
+    with LargestTensor() as mode:
+        model(input_ids=ids, labels=ids).loss.backward()
+    n_tokens = ids.numel()
+    assert mode.max_numel <= 16 * 4096 * 2 < n_tokens * 4096, (mode.max_numel, mode.op)
+
+
+def test_bf16_model_close_to_unpatched():
+    model, ref = _pair()
+    model, ref = model.to(torch.bfloat16), ref.to(torch.bfloat16)
+    ids, labels = _batch(4, 16)
+    ref_out, ref_g = _loss_and_grads(ref, ids, labels)
+    memgrad_hf.patch_model(model, chunk_size=8)
+    out, g = _loss_and_grads(model, ids, labels)
+    # Stated bf16 tolerance: the loss to 1e-3 relative (fp32 softmax over bf16 logits in both), gradients to 3e-2
+    # of each tensor's scale (one bf16 rounding, 2^-8, propagated through the backbone).
+    assert abs(out.loss.item() - ref_out.loss.item()) <= 1e-3 * abs(ref_out.loss.item())
+    for n, x in g.items():
+        r = ref_g[n].float()
+        assert (x.float() - r).abs().max() <= 3e-2 * r.abs().max() + 1e-3, n
+
+
+def test_autocast_training_matches_unpatched():
+    model, ref = _pair()
+    ids, labels = _batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_out, ref_g = _loss_and_grads(ref, ids, labels)
+        memgrad_hf.patch_model(model)
+        out, g = _loss_and_grads(model, ids, labels)
+    assert abs(out.loss.item() - ref_out.loss.item()) <= 1e-3 * abs(ref_out.loss.item())
+    for n, x in g.items():
+        assert (x - ref_g[n]).abs().max() <= 3e-2 * ref_g[n].abs().max() + 1e-4, n
+
+
+# ----------------------------------------------------------------------------------------------- PEFT
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_peft_lora_including_lm_head_trains_exactly(dropout):
+    from peft import LoraConfig, get_peft_model
+
+    base, base_ref = _pair()
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "v_proj", "lm_head"])
+    model, ref = get_peft_model(base, cfg), get_peft_model(base_ref, copy.deepcopy(cfg))
+    ref.load_state_dict(model.state_dict())
+    for m in (model, ref):  # make lora_B non-zero so the head's adapter changes the logits
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                torch.manual_seed(hash(n) % 1000)
+                nn.init.normal_(p, std=0.1)
+    memgrad_hf.patch_model(model, chunk_size=4)
+    ids, labels = _batch()
+    ref_out, ref_g = _loss_and_grads(ref, ids, labels)
+    out, g = _loss_and_grads(model, ids, labels)
+    _assert_same(out, g, ref_out, ref_g)
+    head_lora = [n for n in g if "lm_head" in n and "lora" in n]
+    assert head_lora and all(g[n].abs().max() > 0 for n in head_lora)
+
+
+def test_peft_modules_to_save_lm_head_trains_exactly():
+    from peft import LoraConfig, get_peft_model
+
+    base, base_ref = _pair()
+    cfg = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    model, ref = get_peft_model(base, cfg), get_peft_model(base_ref, copy.deepcopy(cfg))
+    ref.load_state_dict(model.state_dict())
+    memgrad_hf.patch_model(model)
+    ids, labels = _batch()
+    ref_out, ref_g = _loss_and_grads(ref, ids, labels)
+    out, g = _loss_and_grads(model, ids, labels)
+    _assert_same(out, g, ref_out, ref_g)
+    assert any("modules_to_save" in n and "lm_head" in n for n in g)
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+def test_unsupported_models_raise_named_errors():
+    from transformers import LlamaModel
+
+    backbone = LlamaModel(tiny_model("llama").config)
+    with pytest.raises(UnsupportedModelError, match="LlamaModel"):
+        memgrad_hf.patch_model(backbone)
+    with pytest.raises(UnsupportedModelError, match="nn.Module"):
+        memgrad_hf.patch_model("not a model")
+
+    model = tiny_model("llama")
+    model.loss_function = lambda *a, **k: None
+    with pytest.raises(UnsupportedModelError, match="custom loss_function"):
+        memgrad_hf.patch_model(model)
+
+
+def test_unknown_logit_rewrite_is_refused_not_silently_dropped():
+    from transformers import LlamaForCausalLM
+
+    class SquaredLogits(LlamaForCausalLM):  # a model whose head does something we cannot model
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            h = self.model(input_ids=input_ids).last_hidden_state
+            logits = self.lm_head(h).pow(2)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+            return {"loss": loss, "logits": logits}
+
+    model = SquaredLogits(tiny_model("llama").config).train()
+    memgrad_hf.patch_model(model)
+    ids, labels = _batch()
+    with pytest.raises(UnsupportedModelError, match=r"SquaredLogits.*pow"):
+        model(input_ids=ids, labels=labels)
+
+
+def test_bad_arguments_raise_value_error():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="chunk_size"):
+        memgrad_hf.patch_model(model, chunk_size=-1)
+    with pytest.raises(ValueError, match="accum_dtype"):
+        memgrad_hf.patch_model(model, accum_dtype=torch.int8)

@@ -1,0 +1,72 @@
+"""patch_model on many transformers families: loss and every parameter gradient equal the unpatched model."""
+
+import copy
+
+import pytest
+import torch
+
+import memgrad_hf
+from memgrad_hf.patches.quirks import epilogue_from_config
+from tests.tiny_models import FAMILIES, VOCAB, tiny_model
+
+
+def _loss_and_grads(model, ids, labels, seed=1, **kw):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # same dropout masks in both runs
+    out = model(input_ids=ids, labels=labels, **kw)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(out, grads, ref_out, ref_grads, rtol=1e-5):
+    assert abs(out.loss.item() - ref_out.loss.item()) <= rtol * abs(ref_out.loss.item())
+    assert grads.keys() == ref_grads.keys()
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    for name, g in grads.items():
+        r = ref_grads[name]
+        # relative per tensor; the absolute floor covers gradients that are 0 up to rounding (e.g. k_proj biases)
+        err = (g - r).abs().max().item()
+        assert err <= rtol * r.abs().max().item() + 1e-6 * scale, (name, err, r.abs().max().item())
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_loss_and_grads_match_unpatched(family, tied):
+    model = tiny_model(family, tied=tied).train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(1, VOCAB, (2, 9))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    ref_out, ref_grads = _loss_and_grads(ref, ids, labels)
+    memgrad_hf.patch_model(model, chunk_size=4)
+    out, grads = _loss_and_grads(model, ids, labels)
+    assert out.logits is None  # no [tokens x vocab] tensor was built
+    _assert_same(out, grads, ref_out, ref_grads)
+    if tied:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("family", ["gemma2", "granite", "cohere", "hyperclovax", "nanochat", "llama"])
+def test_quirks_table_agrees_with_what_the_forward_does(family):
+    """The config table (used by paths that never run the model's head code) matches the traced epilogue."""
+    from memgrad_hf.patches import head as H
+
+    model = tiny_model(family).train()
+    memgrad_hf.patch_model(model)
+    seen = {}
+    real = H._chunked_causal_lm_loss
+
+    def spy(model_, head, cap, patch, logits, *a, **k):
+        seen["ep"] = logits._chain.epilogue()
+        return real(model_, head, cap, patch, logits, *a, **k)
+
+    H._chunked_causal_lm_loss = spy
+    try:
+        ids = torch.randint(1, VOCAB, (1, 5))
+        model(input_ids=ids, labels=ids)
+    finally:
+        H._chunked_causal_lm_loss = real
+    table = epilogue_from_config(model.config)
+    assert seen["ep"].tanh == table.tanh
+    assert seen["ep"].inp == pytest.approx(table.inp, rel=1e-6)
+    assert seen["ep"].out == pytest.approx(table.out, rel=1e-6)

@@ -1,0 +1,54 @@
+"""Tiny causal LMs built from configs (no hub), one per family, for exactness tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 101
+_COMMON = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=VOCAB, max_position_embeddings=64, head_dim=8, pad_token_id=0,
+)
+# Families whose configs use other field names, or that carry a logit rewrite worth exercising.
+_OVERRIDES: dict[str, dict] = {
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB),
+    "gptj": dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64, vocab_size=VOCAB),
+    "opt": dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32,
+                vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0),
+    "falcon": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB),
+    "bloom": dict(hidden_size=32, n_layer=2, n_head=4, vocab_size=VOCAB),
+    "gemma2": dict(_COMMON, final_logit_softcapping=3.0),
+    "gemma3_text": dict(_COMMON, final_logit_softcapping=3.0),
+    "nanochat": dict(_COMMON, final_logit_softcapping=3.0),
+    "granite": dict(_COMMON, logits_scaling=4.0),
+    "granitemoe": dict(_COMMON, logits_scaling=4.0, num_local_experts=4, num_experts_per_tok=2),
+    "hyperclovax": dict(_COMMON, logits_scaling=0.5),
+    "cohere": dict(_COMMON, logit_scale=0.25),
+    "cohere2": dict(_COMMON, logit_scale=0.25),
+    "mixtral": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                    router_aux_loss_coef=0.02),
+    "qwen2_moe": dict(_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32, output_router_logits=True),
+}
+
+# The families the head patch is tested on (issue 2 names the first eleven).
+FAMILIES = [
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2", "opt", "granite", "cohere",
+    "gemma", "cohere2", "olmo2", "phi", "starcoder2", "stablelm", "gpt_neox", "mixtral", "qwen2_moe", "hyperclovax",
+    "nanochat", "smollm3", "glm", "falcon", "bloom", "gptj", "mpt", "ministral", "exaone4", "helium", "seed_oss",
+    "granitemoe",
+]
+
+
+def tiny_config(family: str, tied: bool = False, **extra):
+    kw = dict(_OVERRIDES.get(family, _COMMON))
+    kw.update(tie_word_embeddings=tied, **extra)
+    kw.setdefault("pad_token_id", 0)
+    return AutoConfig.for_model(family, **kw)
+
+
+def tiny_model(family: str = "llama", tied: bool = False, seed: int = 0, **extra):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, tied, **extra)).float()
+    return model
