@@ -1,0 +1,91 @@
+"""``MemoryReportCallback``: peak memory and throughput in the Trainer's logs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from memgrad_hf import memory
+
+
+class MemoryReportCallback(TrainerCallback):
+    """Adds ``peak_mem_mb``, ``peak_added_mem_mb``, ``step_time_s`` and ``tokens_per_s`` to every Trainer log.
+
+    Peak memory is the CUDA caching allocator's peak (``torch.cuda.max_memory_allocated``) on a GPU and the
+    process's peak resident set (``VmHWM``, reset when training starts) on CPU; ``peak_added_mem_mb`` is that peak
+    minus what was in use when training started (model, data). Token counting switches the Trainer's
+    ``include_num_input_tokens_seen`` on if it was off. After training, :attr:`summary` holds the run's totals.
+
+    Example::
+
+        from memgrad_hf.callbacks import MemoryReportCallback
+        trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[MemoryReportCallback()])
+        trainer.train()
+        print(trainer.state.log_history[-2]["peak_mem_mb"], trainer.callback_handler.callbacks[-1].summary)
+    """
+
+    def __init__(self) -> None:
+        self.summary: dict[str, float] = {}
+        self._device: torch.device = torch.device("cpu")
+        self._base = 0
+        self._t_train = 0.0
+        self._t_step = 0.0
+        self._step_times: list[float] = []
+        self._since_log: list[float] = []
+        self._tokens0 = 0
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if getattr(args, "include_num_input_tokens_seen", "no") in ("no", False):
+            args.include_num_input_tokens_seen = "all"
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._device = torch.device(args.device) if getattr(args, "device", None) is not None else self._device
+        self._base = memory.current_bytes(self._device) or 0
+        memory.reset_peak(self._device)
+        self._t_train = time.perf_counter()
+        self._tokens0 = state.num_input_tokens_seen
+        self._step_times.clear()
+        self._since_log.clear()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        self._t_step = time.perf_counter()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        dt = time.perf_counter() - self._t_step
+        self._step_times.append(dt)
+        self._since_log.append(dt)
+
+    def _metrics(self, state: Any) -> dict[str, float]:
+        peak = memory.peak_bytes(self._device) or 0
+        elapsed = max(time.perf_counter() - self._t_train, 1e-9)
+        out = {
+            "peak_mem_mb": round(peak / memory.MiB, 1),
+            "peak_added_mem_mb": round(max(peak - self._base, 0) / memory.MiB, 1),
+            "tokens_per_s": round((state.num_input_tokens_seen - self._tokens0) / elapsed, 1),
+        }
+        if self._since_log:
+            out["step_time_s"] = round(sum(self._since_log) / len(self._since_log), 4)
+        return out
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        m = self._metrics(state)
+        self._since_log.clear()
+        if logs is not None:
+            logs.update(m)
+        # The Trainer appended its copy of these logs before calling us; keep log_history complete too.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(m)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        m = self._metrics(state)
+        times = sorted(self._step_times[1:] or self._step_times)  # the first step pays one-off costs
+        m["step_time_s"] = round(times[len(times) // 2], 4) if times else float("nan")
+        m["steps"] = len(self._step_times)
+        self.summary = m

@@ -1,0 +1,51 @@
+"""``memgrad-hf`` command: ``demo`` and ``bench NAME``."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+USAGE = """usage: memgrad-hf <command> [options]
+
+commands:
+  demo             train a small model with and without memgrad_hf and print the comparison table
+  bench NAME       run benchmarks/NAME.py from a source checkout (head, forge, grpo, titans)
+"""
+
+
+def _benchmarks_dir() -> Path:
+    return Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "demo":
+        from memgrad_hf.demo import main as demo_main
+
+        return demo_main(rest)
+    if cmd == "bench":
+        bdir = _benchmarks_dir()
+        found = bdir.glob("*.py") if bdir.is_dir() else []
+        names = sorted(p.stem for p in found if p.stem not in ("__init__", "harness"))
+        if not rest or rest[0] in ("-h", "--help"):
+            print(f"usage: memgrad-hf bench NAME [options]; NAME is one of: {', '.join(names) or '(none found)'}")
+            return 0
+        script = bdir / f"{rest[0]}.py"
+        if not script.is_file():
+            print(f"memgrad-hf bench: no benchmark {rest[0]!r} in {bdir} (benchmarks run from a source checkout, "
+                  f"installed with `pip install -e .`); available: {', '.join(names) or 'none'}", file=sys.stderr)
+            return 2
+        sys.path.insert(0, str(bdir.parent))
+        module = runpy.run_path(str(script), run_name="memgrad_bench")
+        return int(module["main"](rest[1:]) or 0)
+    print(f"memgrad-hf: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""The demo runs end to end (tiny settings) and its table shows matching losses."""
+
+import re
+
+from memgrad_hf import cli
+
+
+def test_demo_runs_and_patched_loss_matches_stock(capsys):
+    rc = cli.main(["demo", "--steps", "2", "--batch", "2", "--seq", "32", "--vocab", "2048", "--hidden", "64",
+                   "--configs", "stock,patched"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    row = next(line for line in out.splitlines() if line.startswith("| patched |"))
+    diff = float(row.strip("|").split("|")[-1])
+    assert diff < 1e-4, out
+    assert re.search(r"\| stock \| \d+", out)
+
+
+def test_cli_help_and_unknown_command(capsys):
+    assert cli.main(["--help"]) == 0
+    assert cli.main(["frobnicate"]) == 2
+    assert cli.main(["bench", "no_such_bench"]) == 2

@@ -1,0 +1,61 @@
+"""Inside HF Trainer: patched training equals stock training step by step (GA=2, padding labels)."""
+
+import copy
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+import memgrad_hf
+from memgrad_hf.callbacks import MemoryReportCallback
+from tests.tiny_models import VOCAB, tiny_model
+
+
+def _data(n=12, t=10):
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(1, VOCAB, (t,), generator=g)
+        labels = ids.clone()
+        labels[: 1 + i % 4] = -100  # prompt-like masking of varying length
+        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return rows
+
+
+def _train(model, tmp_path, ga, callbacks=()):
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=ga,
+        learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
+        data_seed=0, dataloader_num_workers=0, optim="adamw_torch", lr_scheduler_type="linear", warmup_steps=1,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=_data(), callbacks=list(callbacks))
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_trainer_losses_and_weights_equal_stock(tmp_path, ga):
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    memgrad_hf.patch_model(model, chunk_size=4)
+    a = _train(model, tmp_path / "a", ga)
+    b = _train(ref, tmp_path / "b", ga)
+    la = [h["loss"] for h in a.state.log_history if "loss" in h]
+    lb = [h["loss"] for h in b.state.log_history if "loss" in h]
+    gn_a = [h["grad_norm"] for h in a.state.log_history if "grad_norm" in h]
+    gn_b = [h["grad_norm"] for h in b.state.log_history if "grad_norm" in h]
+    assert len(la) == 3
+    assert la == pytest.approx(lb, rel=1e-5)
+    assert gn_a == pytest.approx(gn_b, rel=1e-5)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), n
+
+
+def test_memory_report_callback_logs_metrics(tmp_path):
+    cb = MemoryReportCallback()
+    trainer = _train(tiny_model("llama"), tmp_path, 1, callbacks=[cb])
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    for h in logged:
+        assert h["peak_mem_mb"] > 0 and h["peak_added_mem_mb"] >= 0 and h["tokens_per_s"] > 0
+        assert h["step_time_s"] > 0
+    assert cb.summary["steps"] == 3 and cb.summary["tokens_per_s"] > 0
