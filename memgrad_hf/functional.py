@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from memgrad_hf.kernels import head as K
+from memgrad_hf.kernels import head_impl
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -35,7 +36,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden, weight, bias, targets, token_weight, ep, eps, zl, chunk, accum_dtype):
         need = ctx.needs_input_grad
-        loss, dx, dw, db = K.fused_cross_entropy(
+        loss, dx, dw, db = head_impl(hidden.device).fused_cross_entropy(
             hidden, weight, bias, targets, ep, token_weight,
             label_smoothing=eps, z_loss=zl, chunk_size=chunk,
             need_dx=need[0], need_dw=need[1], need_db=bias is not None and need[2],
@@ -63,7 +64,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden, weight, bias, targets, ep, chunk, need_entropy, need_zmean, accum_dtype):
-        st = K.head_stats(hidden, weight, bias, targets, ep, chunk_size=chunk,
+        st = head_impl(hidden.device).head_stats(hidden, weight, bias, targets, ep, chunk_size=chunk,
                           need_entropy=need_entropy, need_zmean=need_zmean)
         ctx.save_for_backward(hidden, weight, bias, targets, st.lse, st.entropy)
         ctx.cfg = (ep, chunk, accum_dtype, weight.shape[0])
@@ -91,7 +92,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
             beta = -g_ent
         gamma = None if g_zt is None else g_zt.float()
         delta = None if g_zmean is None or g_zmean.numel() == 0 else g_zmean.float() / vocab
-        dx, dw, db = K.head_backward(
+        dx, dw, db = head_impl(hidden.device).head_backward(
             hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta,
             chunk_size=chunk, need_dx=need[0], need_dw=need[1], need_db=bias is not None and need[2],
             accum_dtype=accum_dtype,

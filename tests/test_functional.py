@@ -194,3 +194,15 @@ def test_bad_arguments_raise_value_error_with_fix(call, match):
     h, w, _, y = _inputs(ignore_every=0)
     with pytest.raises(ValueError, match=match):
         call(h, w, y)
+
+
+def test_forcing_a_backend_without_kernel_is_a_clear_error(monkeypatch):
+    h, w, _, y = _inputs()
+    monkeypatch.setenv("MEMGRAD_BACKEND", "triton")
+    with pytest.raises(ValueError, match="no Triton kernel"):
+        linear_cross_entropy(h, w, y)
+    monkeypatch.setenv("MEMGRAD_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="MEMGRAD_BACKEND"):
+        linear_cross_entropy(h, w, y)
+    monkeypatch.setenv("MEMGRAD_BACKEND", "torch")
+    assert torch.isfinite(linear_cross_entropy(h, w, y))

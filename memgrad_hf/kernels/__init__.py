@@ -34,3 +34,19 @@ def triton_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def head_impl(device: torch.device | str | None = None):
+    """The module implementing the chunked-head ops for tensors on ``device``.
+
+    Only the torch implementation (:mod:`memgrad_hf.kernels.head`) exists so far; on CUDA it runs as cuBLAS GEMMs
+    plus fused element-wise torch ops. Forcing ``MEMGRAD_BACKEND=triton`` raises until the Triton twin lands.
+    """
+    from memgrad_hf.kernels import head
+
+    if backend(device) == "triton" and os.environ.get("MEMGRAD_BACKEND", "").strip().lower() == "triton":
+        raise ValueError(
+            "MEMGRAD_BACKEND=triton: the chunked head has no Triton kernel yet; unset MEMGRAD_BACKEND or set it to "
+            "'torch'."
+        )
+    return head

@@ -1,0 +1,109 @@
+"""LM head + cross-entropy, forward and backward, side by side (``memgrad-hf bench head``).
+
+Peers: HF stock (``lm_head`` logits + ``ForCausalLMLoss``), PyTorch's chunked ``F.linear_cross_entropy``
+(``LinearCrossEntropyOptions()``), TRL's fused head (``ChunkedLogProbFunction``, the loss as ``-mean(logp)``),
+Liger's fused linear cross-entropy (GPU only: on CPU it needs the Triton interpreter, which takes far too long
+at these sizes) and memgrad (``memgrad_hf.functional.linear_cross_entropy``).
+
+Peak memory: one fresh process per configuration, peak over what the inputs (hidden, weight, labels) occupy;
+it includes the gradients every peer must return (dX and dW). Time: round-robin in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions
+
+PEERS = ("hf", "torch_lce", "trl", "liger", "memgrad")
+
+
+def setup(device: str, impl: str, n: int, d: int, v: int, dtype: str) -> dict:
+    if impl == "liger" and not device.startswith("cuda"):
+        raise RuntimeError("not run on CPU (Triton kernel; the interpreter is orders of magnitude too slow)")
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = (torch.randn(n, d, generator=g) * 0.5).to(device=device, dtype=dt).requires_grad_()
+    w = (torch.randn(v, d, generator=g) * 0.02).to(device=device, dtype=dt).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=g).to(device)
+    fn = _impl(impl)
+    return {"h": h, "w": w, "y": y, "fn": fn}
+
+
+def _impl(name: str):
+    if name == "hf":
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        return lambda h, w, y: ForCausalLMLoss(torch.nn.functional.linear(h, w), None, w.shape[0], shift_labels=y)
+    if name == "torch_lce":
+        opts = torch.nn.LinearCrossEntropyOptions()
+        return lambda h, w, y: torch.nn.functional.linear_cross_entropy(h, w, y, options=opts)
+    if name == "trl":
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+        return lambda h, w, y: -ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 32768, None, 1.0, ())[0].mean()
+    if name == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        loss = LigerFusedLinearCrossEntropyLoss()
+        return lambda h, w, y: loss(w, h, y)
+    if name == "memgrad":
+        from memgrad_hf.functional import linear_cross_entropy
+
+        return lambda h, w, y: linear_cross_entropy(h, w, y)
+    raise ValueError(f"unknown peer {name!r}; choose from {PEERS}")
+
+
+def run(s: dict) -> float:
+    s["h"].grad = s["w"].grad = None
+    loss = s["fn"](s["h"], s["w"], s["y"])
+    loss.backward()
+    return float(loss.detach())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="memgrad-hf bench head", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--vocab", type=int, nargs="+", default=[32768, 128256])
+    p.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
+    torch.set_num_threads(a.threads)
+    print(f"# LM head + CE forward+backward, {a.tokens} tokens, hidden {a.hidden}, {dtype}, {a.device}")
+    print(f"# {machine(a.device)}; {versions()}\n")
+    print("| vocab | peer | peak added (MiB) | vs torch_lce | vs hf | time min / median (s) | time vs torch_lce |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for v in a.vocab:
+        cases = [Case(peer, setup, run, dict(impl=peer, n=a.tokens, d=a.hidden, v=v, dtype=dtype)) for peer in a.peers]
+        mem = {c.name: peak_added_mib(c, a.device, a.threads) for c in cases}
+        times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=1)
+        for c in cases:
+            m, t = mem[c.name], times.get(c.name)
+            if not m["ok"] or not isinstance(t, tuple):
+                why = m.get("error") if not m["ok"] else t
+                print(f"| {v} | {c.name} | — | | | {why} | |")
+                continue
+
+            def ratio(ref: str, key: str = "mem") -> str:
+                if key == "mem":
+                    r = mem.get(ref)
+                    return f"{m['added_mib'] / r['added_mib']:.2f}x" if r and r["ok"] else ""
+                r = times.get(ref)
+                return f"{t[1] / r[1]:.2f}x" if isinstance(r, tuple) else ""
+
+            print(f"| {v} | {c.name} | {m['added_mib']:.0f} | {ratio('torch_lce')} | {ratio('hf')} | "
+                  f"{t[0]:.2f} / {t[1]:.2f} | {ratio('torch_lce', 'time')} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
