@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import runpy
+import importlib
 import sys
 from pathlib import Path
 
@@ -40,9 +40,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"memgrad-hf bench: no benchmark {rest[0]!r} in {bdir} (benchmarks run from a source checkout, "
                   f"installed with `pip install -e .`); available: {', '.join(names) or 'none'}", file=sys.stderr)
             return 2
-        sys.path.insert(0, str(bdir.parent))
-        module = runpy.run_path(str(script), run_name="memgrad_bench")
-        return int(module["main"](rest[1:]) or 0)
+        # Imported as benchmarks.NAME (not run as a path) so that spawned measuring processes can unpickle its cases.
+        if str(bdir.parent) not in sys.path:
+            sys.path.insert(0, str(bdir.parent))
+        module = importlib.import_module(f"benchmarks.{rest[0]}")
+        return int(module.main(rest[1:]) or 0)
     print(f"memgrad-hf: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 
