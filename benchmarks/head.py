@@ -64,6 +64,14 @@ def run(s: dict) -> float:
     return float(loss.detach())
 
 
+def _ratio(m: dict, ref: dict | None) -> str:
+    return f"{m['added_mib'] / ref['added_mib']:.2f}x" if ref and ref["ok"] and ref["added_mib"] > 0 else ""
+
+
+def _tratio(t: tuple, ref: object) -> str:
+    return f"{t[1] / ref[1]:.2f}x" if isinstance(ref, tuple) else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="memgrad-hf bench head", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,15 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {v} | {c.name} | — | | | {why} | |")
                 continue
 
-            def ratio(ref: str, key: str = "mem") -> str:
-                if key == "mem":
-                    r = mem.get(ref)
-                    return f"{m['added_mib'] / r['added_mib']:.2f}x" if r and r["ok"] else ""
-                r = times.get(ref)
-                return f"{t[1] / r[1]:.2f}x" if isinstance(r, tuple) else ""
-
-            print(f"| {v} | {c.name} | {m['added_mib']:.0f} | {ratio('torch_lce')} | {ratio('hf')} | "
-                  f"{t[0]:.2f} / {t[1]:.2f} | {ratio('torch_lce', 'time')} |", flush=True)
+            rm, rt = mem.get("torch_lce"), times.get("torch_lce")
+            rh = mem.get("hf")
+            print(f"| {v} | {c.name} | {m['added_mib']:.0f} | {_ratio(m, rm)} | {_ratio(m, rh)} | "
+                  f"{t[0]:.2f} / {t[1]:.2f} | {_tratio(t, rt)} |", flush=True)
     return 0
 
 
