@@ -10,3 +10,11 @@ def test_bench_head_runs_through_the_cli(capsys):
     assert rc == 0, out
     rows = [line for line in out.splitlines() if line.startswith("| 256 |")]
     assert len(rows) == 3 and all("—" not in r for r in rows), out
+
+
+def test_bench_compat_reports_exact_for_known_families(capsys):
+    rc = cli.main(["bench", "compat", "llama", "gemma2", "cpmant"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| llama | exact |" in out and "| gemma2 | exact |" in out
+    assert "| cpmant | unsupported |" in out  # applies log_softmax after its head: refused, never silently wrong

@@ -279,10 +279,13 @@ def validate(model: nn.Module) -> None:
         )
     if "labels" not in inspect.signature(type(model).forward).parameters:
         raise UnsupportedModelError(f"{owner}.forward takes no `labels`; it is not a causal LM with a loss.")
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
     loss_type = getattr(model, "loss_type", None)
-    if loss_type not in (None, "ForCausalLM"):
+    if LOSS_MAPPING.get(loss_type or "ForCausalLM", ForCausalLMLoss) is not ForCausalLMLoss:
         raise UnsupportedModelError(
-            f"{owner} uses loss_type={loss_type!r}; memgrad_hf's chunked head reproduces ForCausalLM only."
+            f"{owner} uses loss_type={loss_type!r}; memgrad_hf's chunked head reproduces the causal-LM "
+            "cross-entropy (ForCausalLMLoss) only."
         )
     if "_loss_function" in model.__dict__:
         raise UnsupportedModelError(
