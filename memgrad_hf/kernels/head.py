@@ -124,7 +124,10 @@ def _grad_from_probs(
     dcap: Tensor | None,
     ep: Epilogue,
 ) -> Tensor:
-    """Turn the softmax ``p`` of a chunk into ``dL/du`` in place (``u`` = pre-epilogue logits)."""
+    """Turn the softmax ``p`` of a chunk into ``dL/du`` in place (``u`` = pre-epilogue logits).
+
+    Without ``beta``, ``p`` may be ``exp(z - m)`` unnormalized with ``alpha`` already divided by ``Σ exp(z - m)``.
+    """
     if beta is not None:
         # p (alpha + beta z) = p (alpha + beta lse) + beta p log p, since z = log p + lse
         plogp = torch.special.xlogy(p, p).mul_(beta[:, None])
@@ -304,8 +307,8 @@ def fused_cross_entropy(
             alpha = w * (1 + 2 * z_loss * lse) if z_loss else w
             gamma = -(1 - eps) * w
             delta = -(eps / vocab) * w if eps else None
-            p = ex.div_(se[:, None])
-            du = _grad_from_probs(p, t, lse, alpha, None, gamma, delta, dcap, ep)
+            # p·alpha = exp(z - m)·(alpha / Σexp): one pass instead of normalizing first
+            du = _grad_from_probs(ex, t, lse, alpha / se, None, gamma, delta, dcap, ep)
             del dcap
             _accumulate(du, h, weight, None if dx is None else dx[s:e], dw, db)
     return loss, dx, dw, db
