@@ -178,6 +178,7 @@ def _check_vocab_ids(ids: Tensor, vocab: int, name: str) -> None:
 # ---------------------------------------------------------------------------------------------------- public
 
 
+@torch.compiler.disable  # chunk loops: opaque to torch.compile (GEMM-bound anyway; avoids unrolled graphs)
 def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -267,6 +268,7 @@ def _ce_from_stats(lse: Tensor, zt: Tensor, zmean: Tensor | None, eps: float, zl
     return ce
 
 
+@torch.compiler.disable
 def linear_logprobs(
     hidden: Tensor,
     weight: Tensor,

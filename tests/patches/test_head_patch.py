@@ -274,3 +274,18 @@ def test_bad_arguments_raise_value_error():
         memgrad_hf.patch_model(model, chunk_size=-1)
     with pytest.raises(ValueError, match="accum_dtype"):
         memgrad_hf.patch_model(model, accum_dtype=torch.int8)
+
+
+@pytest.mark.slow
+def test_torch_compile_of_patched_model_matches():
+    model, ref = _pair()
+    ids, labels = _batch()
+    memgrad_hf.patch_model(model)
+    compiled = torch.compile(model)
+    out = compiled(input_ids=ids, labels=labels)
+    out.loss.backward()
+    ref_out = ref(input_ids=ids, labels=labels)
+    ref_out.loss.backward()
+    assert torch.allclose(out.loss, ref_out.loss, rtol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
