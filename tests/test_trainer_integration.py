@@ -59,3 +59,18 @@ def test_memory_report_callback_logs_metrics(tmp_path):
         assert h["peak_mem_mb"] > 0 and h["peak_added_mem_mb"] >= 0 and h["tokens_per_s"] > 0
         assert h["step_time_s"] > 0
     assert cb.summary["steps"] == 3 and cb.summary["tokens_per_s"] > 0
+
+
+def test_trainer_bf16_autocast_close_to_stock(tmp_path):
+    # accelerate wraps the (patched) forward in autocast; losses agree within bf16 noise.
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    memgrad_hf.patch_model(model)
+    args = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
+                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, bf16=True)
+    losses = []
+    for m in (model, ref):
+        t = Trainer(model=m, args=TrainingArguments(**args), train_dataset=_data())
+        t.train()
+        losses.append([h["loss"] for h in t.state.log_history if "loss" in h])
+    assert losses[0] == pytest.approx(losses[1], rel=2e-3)
