@@ -171,9 +171,14 @@ def _accumulate(
 
 
 def default_chunk_size(n_tokens: int, hidden: int, vocab: int) -> int:
-    """Tokens per chunk: the ``[chunk x vocab]`` fp32 block is kept near 2x the size of the hidden states
-    (never below 32 MiB nor above 256 MiB), a power of two so that GEMMs stay efficient."""
-    budget = min(max(2 * n_tokens * hidden * 4, 32 << 20), 256 << 20)
+    """Tokens per chunk, a power of two.
+
+    The fp32 ``[chunk x vocab]`` block is sized to at least twice the hidden states and to at least 256 tokens —
+    each chunk re-reads and re-writes the ``[vocab x hidden]`` weight-gradient accumulator, so fewer than ~256
+    tokens per chunk makes that accumulation memory-bound (measured on CPU at vocab 128256: 27.1 s at 128 tokens,
+    23.8 s at 256, 23.0 s at 512) — and never above 256 MiB.
+    """
+    budget = min(max(2 * n_tokens * hidden * 4, 256 * vocab * 4), 256 << 20)
     c = max(budget // (4 * vocab), 16)
     c = 1 << (int(c).bit_length() - 1)
     return int(max(1, min(c, n_tokens)))
