@@ -206,3 +206,21 @@ def test_forcing_a_backend_without_kernel_is_a_clear_error(monkeypatch):
         linear_cross_entropy(h, w, y)
     monkeypatch.setenv("MEMGRAD_BACKEND", "torch")
     assert torch.isfinite(linear_cross_entropy(h, w, y))
+
+
+def test_no_grad_forward_does_one_gemm_per_chunk():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMM(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.out,
+                        torch.ops.aten.addmm.out, torch.ops.aten.addmm_.default):
+                CountMM.n += 1
+            return func(*args, **(kwargs or {}))
+
+    h, w, _, y = _inputs(ignore_every=0)  # requires_grad=True, but no gradient is wanted
+    with torch.no_grad(), CountMM():
+        linear_cross_entropy(h, w, y, chunk_size=15)
+    assert CountMM.n == 3  # 45 tokens / 15 per chunk, logits only
