@@ -90,19 +90,24 @@ class Stats:
     zmean: Tensor | None = None  # mean_j z_j (label smoothing)
 
 
+def _softmax_(z: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax of ``z`` in place (one fused vectorized kernel) and its ``lse``.
+
+    ``lse = max - log p[argmax]``: ``p[argmax] >= 1/V`` never underflows, so this is as exact as a separate
+    log-sum-exp pass, at the cost of one max/argmax read instead of three more passes over the chunk.
+    """
+    m, idx = z.max(1)
+    torch.ops.aten._softmax.out(z, 1, False, out=z)
+    lse = m - z.gather(1, idx[:, None]).squeeze(1).log()
+    return z, lse
+
+
 def _stats_of_chunk(z: Tensor, t: Tensor, need_entropy: bool, need_zmean: bool) -> tuple[Tensor, ...]:
     """Consumes ``z`` (overwritten). ``t`` holds valid indices only (ignored targets clamped to 0)."""
     zt = z.gather(1, t[:, None]).squeeze(1)
     zmean = z.mean(1) if need_zmean else None
-    m = z.amax(1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows of -inf stay -inf, never nan
-    e = z.sub_(m).exp_()
-    s = e.sum(1)
-    lse = m.squeeze(1) + s.log()
-    ent = None
-    if need_entropy:
-        # Σ_j e_j (z_j - m) = Σ e log e; H = log s - Σ e (z - m) / s
-        ent = s.log() - torch.special.xlogy(e, e).sum(1) / s
+    p, lse = _softmax_(z)
+    ent = -torch.special.xlogy(p, p, out=p).sum(1) if need_entropy else None  # H = -Σ p log p
     return lse, zt, ent, zmean
 
 
@@ -123,11 +128,24 @@ def _grad_from_probs(
     delta: Tensor | None,
     dcap: Tensor | None,
     ep: Epilogue,
-) -> Tensor:
+    factor_rows: bool,
+) -> tuple[Tensor, Tensor | None]:
     """Turn the softmax ``p`` of a chunk into ``dL/du`` in place (``u`` = pre-epilogue logits).
 
-    Without ``beta``, ``p`` may be ``exp(z - m)`` unnormalized with ``alpha`` already divided by ``Σ exp(z - m)``.
+    Returns ``(du, rows)``: if ``rows`` is not None the true gradient is ``rows[:, None] * du``. Pulling the
+    per-token factor ``alpha`` out of the ``[chunk x vocab]`` block (it is applied to the small ``[chunk x hidden]``
+    GEMM operands instead) saves a full pass over the block; done only where exact (``alpha`` has no zero, no
+    entropy term) and when the caller's GEMMs run in fp32.
     """
+    if beta is None and factor_rows and bool((alpha != 0).all()):
+        rows = alpha * ep.inp if dcap is None else alpha
+        if gamma is not None:
+            p.scatter_add_(1, t[:, None], (gamma / alpha)[:, None])
+        if delta is not None:
+            p.add_((delta / alpha)[:, None])
+        if dcap is not None:
+            p.mul_(dcap)
+        return p, rows
     if beta is not None:
         # p (alpha + beta z) = p (alpha + beta lse) + beta p log p, since z = log p + lse
         plogp = torch.special.xlogy(p, p).mul_(beta[:, None])
@@ -143,31 +161,40 @@ def _grad_from_probs(
         p.mul_(dcap)
     elif ep.inp != 1.0:
         p.mul_(ep.inp)
-    return p
+    return p, None
 
 
 def _accumulate(
     du: Tensor,
+    rows: Tensor | None,
     h: Tensor,
     weight: Tensor,
     dx_out: Tensor | None,
     dw: Tensor | None,
     db: Tensor | None,
 ) -> None:
-    """dX_c = dU·W (old W), dW += dUᵀ·X_c, db += Σ dU, with the GEMMs in the weight's dtype like autograd."""
+    """dX_c = dU·W (old W), dW += dUᵀ·X_c, db += Σ dU, with the GEMMs in the weight's dtype like autograd.
+
+    ``rows`` (fp32 path only) is a per-token factor of ``dU`` applied to the ``[chunk x hidden]`` operands."""
     du_lp = du if du.dtype == weight.dtype else du.to(weight.dtype)
     if dx_out is not None:
         if dx_out.dtype == weight.dtype:
             torch.mm(du_lp, weight, out=dx_out)
         else:
             dx_out.copy_(du_lp @ weight)
+        if rows is not None:
+            dx_out.mul_(rows[:, None])
     if dw is not None:
+        hs = h if rows is None else h * rows[:, None]
         if dw.dtype == du_lp.dtype:
-            dw.addmm_(du_lp.t(), h if h.dtype == dw.dtype else h.to(dw.dtype))
+            dw.addmm_(du_lp.t(), hs if hs.dtype == dw.dtype else hs.to(dw.dtype))
         else:  # fp32 accumulator for low-precision weights: exact products of the rounded operands
-            dw.addmm_(du_lp.t().to(dw.dtype), h.to(dw.dtype))
+            dw.addmm_(du_lp.t().to(dw.dtype), hs.to(dw.dtype))
     if db is not None:
-        db.add_(du_lp.sum(0, dtype=db.dtype) if du_lp.dtype != db.dtype else du_lp.sum(0))
+        if rows is not None:
+            db.add_(torch.mv(du_lp.t(), rows.to(du_lp.dtype)).to(db.dtype))
+        else:
+            db.add_(du_lp.sum(0, dtype=db.dtype) if du_lp.dtype != db.dtype else du_lp.sum(0))
 
 
 def default_chunk_size(n_tokens: int, hidden: int, vocab: int) -> int:
@@ -254,11 +281,11 @@ def head_backward(
         h = hidden[s:e]
         z = _chunk_logits(h, weight, bias, ep, buf)
         dcap = _cap_derivative(z, ep)
-        p = z.sub_(lse[s:e, None]).exp_()
-        du = _grad_from_probs(p, targets[s:e], lse[s:e], alpha[s:e], part(beta, s, e), part(gamma, s, e),
-                              part(delta, s, e), dcap, ep)
+        p = torch.ops.aten._softmax.out(z, 1, False, out=z)  # == exp(z - lse) to rounding, in one fused pass
+        du, rows = _grad_from_probs(p, targets[s:e], lse[s:e], alpha[s:e], part(beta, s, e), part(gamma, s, e),
+                                    part(delta, s, e), dcap, ep, factor_rows=weight.dtype == torch.float32)
         del dcap
-        _accumulate(du, h, weight, part(dx, s, e), dw, db)
+        _accumulate(du, rows, h, weight, part(dx, s, e), dw, db)
     return dx, dw, db
 
 
@@ -298,10 +325,7 @@ def fused_cross_entropy(
         zt = z.gather(1, t[:, None]).squeeze(1)
         zmean = z.mean(1) if eps else None
         dcap = _cap_derivative(z, ep) if want_grad else None
-        m = z.amax(1)
-        ex = z.sub_(m[:, None]).exp_()  # z is consumed: exp(z - m)
-        se = ex.sum(1)
-        lse = m + se.log()
+        p, lse = _softmax_(z)  # z is consumed
         ce = lse - zt
         if eps:
             ce = (1 - eps) * ce + eps * (lse - zmean)
@@ -312,8 +336,8 @@ def fused_cross_entropy(
             alpha = w * (1 + 2 * z_loss * lse) if z_loss else w
             gamma = -(1 - eps) * w
             delta = -(eps / vocab) * w if eps else None
-            # p·alpha = exp(z - m)·(alpha / Σexp): one pass instead of normalizing first
-            du = _grad_from_probs(ex, t, lse, alpha / se, None, gamma, delta, dcap, ep)
+            du, rows = _grad_from_probs(p, t, lse, alpha, None, gamma, delta, dcap, ep,
+                                        factor_rows=weight.dtype == torch.float32)
             del dcap
-            _accumulate(du, h, weight, None if dx is None else dx[s:e], dw, db)
+            _accumulate(du, rows, h, weight, None if dx is None else dx[s:e], dw, db)
     return loss, dx, dw, db
