@@ -7,10 +7,10 @@ Example::
     memgrad_hf.unpatch_model(model)         # exact undo
 """
 
-from memgrad_hf import functional
+from memgrad_hf import functional, optim  # optim: registers forge_* with transformers
 from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.patches import patch_model, unpatch_model
 
 __version__ = "0.1.0"
 
-__all__ = ["UnsupportedModelError", "functional", "patch_model", "unpatch_model", "__version__"]
+__all__ = ["UnsupportedModelError", "functional", "optim", "patch_model", "unpatch_model", "__version__"]

@@ -19,6 +19,8 @@ plugs in at :func:`memgrad_hf.kernels.backend`).
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,6 +30,28 @@ from memgrad_hf.kernels import head as K
 from memgrad_hf.kernels import head_impl
 
 _REDUCTIONS = ("mean", "sum", "none")
+
+
+_RETAIN = threading.local()
+
+
+@contextmanager
+def retain_head_grads():
+    """Within this context the fused cross-entropy keeps its precomputed gradients through backward, so the same
+    graph can be backpropagated again (``retain_graph=True``); costs one gradient-sized copy per backward.
+
+    Example::
+
+        with retain_head_grads():
+            torch.autograd.backward(loss, retain_graph=True)   # e.g. a norm-only pass
+        loss.backward()
+    """
+    prev = getattr(_RETAIN, "on", False)
+    _RETAIN.on = True
+    try:
+        yield
+    finally:
+        _RETAIN.on = prev
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -48,12 +72,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor):
+        if ctx.grads is None:
+            raise RuntimeError(
+                "memgrad_hf: backward through the fused cross-entropy a second time; wrap the earlier backward in "
+                "memgrad_hf.functional.retain_head_grads() to keep its gradients."
+            )
         dx, dw, db = ctx.grads
-        ctx.grads = None  # drop our references so autograd can adopt the buffers without copying
+        retain = getattr(_RETAIN, "on", False)
+        if not retain:
+            ctx.grads = None  # drop our references so autograd can adopt the buffers without copying
         out = []
         for g, dtype in zip((dx, dw, db), ctx.dtypes, strict=True):
             if g is not None:
-                g = g.mul_(grad.to(g.dtype))
+                g = g * grad.to(g.dtype) if retain else g.mul_(grad.to(g.dtype))
                 g = g if g.dtype == dtype else g.to(dtype)
             out.append(g)
         return (*out, None, None, None, None, None, None, None)

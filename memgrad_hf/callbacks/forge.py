@@ -1,0 +1,34 @@
+"""``ForgeLogCallback``: the Trainer logs the real gradient norm and skip count of a FORGE optimizer.
+
+With FORGE no ``.grad`` is left when the Trainer measures the norm, so it would log 0; this callback, added to
+every Trainer by ``import memgrad_hf`` (a no-op for other optimizers), replaces it with the norm FORGE measured.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+
+def _forge(optimizer: Any) -> Any:
+    from memgrad_hf.optim.forge import ForgeOptimizer
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    return inner if isinstance(inner, ForgeOptimizer) else None
+
+
+class ForgeLogCallback(TrainerCallback):
+    """Puts ``grad_norm`` (pre-clipping global norm) and ``forge_skipped_steps`` into the Trainer's logs."""
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, optimizer: Any = None,
+               **kwargs: Any) -> None:
+        opt = _forge(optimizer)
+        if opt is None or logs is None or "loss" not in logs:
+            return
+        extra = {"forge_skipped_steps": opt.skipped_steps}
+        if opt.last_grad_norm is not None:
+            extra["grad_norm"] = opt.last_grad_norm
+        logs.update(extra)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(extra)

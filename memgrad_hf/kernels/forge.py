@@ -1,0 +1,81 @@
+"""FORGE math, torch path: element-wise update rules, and the weight step fused into a linear layer's backward.
+
+The rules reproduce ``torch.optim``'s single-tensor op order exactly (REFERENCE §3.2), so that in fp32 an update
+applied to row slices of a weight equals ``torch.optim.AdamW`` on the whole weight bit for bit. Nothing here knows
+about optimizers' bookkeeping or transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# ---------------------------------------------------------------------------------------------- rules
+
+
+def adamw_(p: Tensor, g: Tensor, st: dict[str, Tensor], hp: dict[str, Any], step: int) -> None:
+    """AdamW on (a slice of) a parameter, in place; ``st`` holds ``exp_avg`` and ``exp_avg_sq`` slices."""
+    lr, (b1, b2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
+    m, v = st["exp_avg"], st["exp_avg_sq"]
+    gm = g if m.dtype == g.dtype else g.to(m.dtype)
+    if wd != 0:
+        p.mul_(1 - lr * wd)
+    m.lerp_(gm, 1 - b1)
+    v.mul_(b2).addcmul_(gm, gm, value=1 - b2)
+    bc1 = 1 - b1**step
+    bc2 = 1 - b2**step
+    denom = (v.sqrt() / bc2**0.5).add_(eps)
+    p.addcdiv_(m if m.dtype == p.dtype else m.to(p.dtype), denom.to(p.dtype), value=-(lr / bc1))
+
+
+def lion_(p: Tensor, g: Tensor, st: dict[str, Tensor], hp: dict[str, Any], step: int) -> None:
+    """Lion (Chen et al. 2023): ``p -= lr·sign(β1·m + (1-β1)·g)``, then ``m = β2·m + (1-β2)·g``."""
+    lr, (b1, b2), wd = hp["lr"], hp["betas"], hp["weight_decay"]
+    m = st["exp_avg"]
+    gm = g if m.dtype == g.dtype else g.to(m.dtype)
+    if wd != 0:
+        p.mul_(1 - lr * wd)
+    update = m.lerp(gm, 1 - b1).sign_()
+    p.add_(update.to(p.dtype), alpha=-lr)
+    m.lerp_(gm, 1 - b2)
+
+
+RULES: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
+    # name: (update, state tensors it keeps per parameter)
+    "adamw": (adamw_, ("exp_avg", "exp_avg_sq")),
+    "lion": (lion_, ("exp_avg",)),
+}
+
+
+# ---------------------------------------------------------------------------------------------- fused linear
+
+
+def row_tiles(rows: int, cols: int, tile_bytes: int = 4 << 20) -> int:
+    """Rows per weight-gradient tile so that one fp32 tile stays near ``tile_bytes`` (at least 16 rows)."""
+    return max(16, min(rows, tile_bytes // max(4 * cols, 1)))
+
+
+def linear_weight_tiles(
+    dy: Tensor,
+    x: Tensor,
+    rows_per_tile: int,
+    accumulated: Tensor | None = None,
+    dtype: torch.dtype | None = None,
+):
+    """Yield ``(r0, r1, dW[r0:r1])`` for ``dW = dyᵀ·x`` one row block at a time (``dy``: ``[N, out]``, ``x``:
+    ``[N, in]``), plus ``accumulated[r0:r1]`` (gradient accumulation) if given. Only one tile exists at a time.
+
+    ``dtype`` is the dtype autograd would give the weight gradient (e.g. bf16 under autocast, then cast to the
+    master weight's dtype as autograd's cast-backward does)."""
+    out_features = dy.shape[1]
+    for r0 in range(0, out_features, rows_per_tile):
+        r1 = min(r0 + rows_per_tile, out_features)
+        tile = dy[:, r0:r1].t() @ x
+        if dtype is not None and tile.dtype != dtype:
+            tile = tile.to(dtype)
+        if accumulated is not None:
+            tile = tile + accumulated[r0:r1]
+        yield r0, r1, tile

@@ -1,0 +1,352 @@
+"""FORGE optimizers: the update applied inside the backward pass, so weight gradients never pile up.
+
+* ``nn.Linear`` weights (LoRA A/B included) are updated inside their own backward, one row block of the weight
+  gradient at a time (:mod:`memgrad_hf.optim.fused_linear`); the full gradient never exists.
+* Every other trainable tensor (embeddings, norms, biases, tied weights, an LM head served by the chunked head)
+  is updated by a post-accumulate-grad hook the moment its gradient is complete, and the gradient is freed.
+
+Exact global-norm clipping (``max_grad_norm > 0``, ``clip="exact"``) runs a norm-only backward first: the loss
+returned by ``model(...)`` is wrapped so that its backward first walks the graph computing every gradient's norm
+(nothing is stored or applied), then walks it again applying the clipped updates. It costs a second backward;
+``clip="previous"`` instead clips with the previous step's exact norm (no extra pass; documented approximation).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from memgrad_hf.functional import retain_head_grads
+from memgrad_hf.kernels import forge as K
+from memgrad_hf.patches import forge as P
+
+log = logging.getLogger("memgrad_hf.forge")
+
+_CLIP_MODES = ("exact", "previous")
+
+
+class _ClipRoot(torch.autograd.Function):
+    """Identity on the loss; its backward runs the norm pass through the rest of the graph first."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: Tensor, opt: ForgeOptimizer, inner: list) -> Tensor:
+        ctx.opt, ctx.inner = opt, inner
+        return loss.clone()  # a scalar; a view would forbid the Trainer's in-place loss scaling
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):
+        opt = ctx.opt
+        if opt._is_sync():
+            opt._norm_pass(ctx.inner[0], grad)
+        return grad, None, None
+
+
+class ForgeOptimizer(Optimizer):
+    """Base class; use :class:`ForgeAdamW` or :class:`ForgeLion`."""
+
+    rule: str = ""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        model: nn.Module | None = None,
+        max_grad_norm: float = 0.0,
+        clip: str = "exact",
+        tile_bytes: int = 4 << 20,
+        forge_model: nn.Module | None = None,
+    ) -> None:
+        model = model if model is not None else forge_model  # the Trainer passes it as forge_model
+        if clip not in _CLIP_MODES:
+            raise ValueError(f"clip must be one of {_CLIP_MODES}; got {clip!r}.")
+        if max_grad_norm is None or max_grad_norm < 0 or not math.isfinite(max_grad_norm):
+            raise ValueError(f"max_grad_norm must be a finite number >= 0 (0 disables clipping); got {max_grad_norm}.")
+        if model is None:
+            raise ValueError(
+                f"{type(self).__name__} needs the model (model=...) to fuse the update into its linear layers' "
+                "backward, e.g. ForgeAdamW(model.parameters(), model=model, lr=1e-4)."
+            )
+        super().__init__(params, defaults)
+        self.model = model
+        self.max_grad_norm = float(max_grad_norm)
+        self.clip = clip
+        self.tile_bytes = int(tile_bytes)
+        self.sync: bool | None = None  # None: follow accelerate's GradientState (Trainer); else set by the user
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self._mode = "apply"  # "norm" during the norm pass, "skip" after a non-finite norm
+        self._norm_sq: Tensor | None = None
+        self._coef = 1.0
+        self._prev_norm: float | None = None
+        self._stash: dict[Tensor, Tensor] = {}
+        self._nonfinite_seen = False
+        self._norm_sq_now: Tensor | float = 0.0
+        self._group_index = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        counts: dict[int, int] = {}
+        for _, p in model.named_parameters(remove_duplicate=False):
+            counts[id(p)] = counts.get(id(p), 0) + 1
+        fusable = {id(p) for p in self._group_index if counts.get(id(p), 0) == 1 and p.requires_grad}
+        self._swapped = P.swap_linears(model, self, fusable)
+        self._fused = {m.weight for m in self._swapped}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._group_index
+                       if p.requires_grad]
+        self._wrapped_forward = False
+        if self.max_grad_norm > 0 and self.clip == "exact":
+            self._wrap_model_forward()
+        self._norm_pass_seen = False
+
+    # ------------------------------------------------------------------------------------------- plumbing
+
+    def _is_sync(self) -> bool:
+        if self.sync is not None:
+            return self.sync
+        try:
+            from accelerate.state import GradientState
+
+            return bool(GradientState().sync_gradients)
+        except Exception:
+            return True
+
+    def _hp(self, p: Tensor) -> dict[str, Any]:
+        # Read the group at call time: accelerate replaces param_group dicts, the scheduler edits "lr" in place.
+        return self.param_groups[self._group_index[p]]
+
+    def _state(self, p: Tensor) -> dict[str, Any]:
+        st = self.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            for name in K.RULES[self.rule][1]:
+                st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return st
+
+    def _wrap_model_forward(self) -> None:
+        model, opt = self.model, self
+        original = model.forward
+        self._had_instance_forward = "forward" in model.__dict__
+
+        def forward(self_: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            return opt._wrap_loss(out)
+
+        functools.update_wrapper(forward, type(model).forward)  # inspect.signature sees the class's forward
+        model.forward = types.MethodType(forward, model)
+        self._wrapped_forward = True
+        self._original_forward = original
+
+    def _wrap_loss(self, out: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return out
+        if isinstance(out, Tensor):
+            return _ClipRoot.apply(out, self, [out]) if out.requires_grad and out.dim() == 0 else out
+        loss = out.get("loss") if hasattr(out, "get") else None
+        if isinstance(loss, Tensor) and loss.requires_grad:
+            out["loss"] = _ClipRoot.apply(loss, self, [loss])
+        return out
+
+    def detach(self) -> None:
+        """Undo the model changes (linear swaps, hooks, forward wrapper). The optimizer is unusable afterwards."""
+        P.restore_linears(self._swapped)
+        for h in self._hooks:
+            h.remove()
+        if self._wrapped_forward:
+            self.model.__dict__.pop("forward", None)
+            if self._had_instance_forward:
+                self.model.forward = self._original_forward
+        self._swapped, self._hooks = [], []
+
+    # ------------------------------------------------------------------------------------------- the step
+
+    def _norm_pass(self, loss: Tensor, grad: Tensor) -> None:
+        """Backward through the graph once computing only gradient norms; sets the clip coefficient."""
+        self._mode = "norm"
+        self._norm_sq = torch.zeros((), dtype=torch.float64)
+        self._stash = {p: p.grad for p in self._group_index if p.grad is not None and p not in self._fused}
+        for p in self._stash:
+            p.grad = None
+        try:
+            with retain_head_grads():
+                torch.autograd.backward(loss, grad, retain_graph=True)
+        finally:
+            for p, g in self._stash.items():
+                p.grad = g
+            self._stash = {}
+        norm = float(self._norm_sq.sqrt())
+        self.last_grad_norm = norm
+        self._norm_pass_seen = True
+        if not math.isfinite(norm):
+            self._mode = "skip"
+            self.skipped_steps += 1
+            log.warning("forge: non-finite gradient norm (%s); step skipped (%d so far)", norm, self.skipped_steps)
+        else:
+            self._mode = "apply"
+            self._coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+
+    def _clip_coef(self) -> float:
+        if self.max_grad_norm <= 0:
+            return 1.0
+        if self.clip == "exact":
+            if not self._norm_pass_seen:
+                raise RuntimeError(
+                    "forge: max_grad_norm > 0 with clip='exact' needs the loss to come from model(...) (its .loss or "
+                    "a scalar output), or call optimizer.backward(loss). Alternatively pass clip='previous' or "
+                    "max_grad_norm=0."
+                )
+            return self._coef
+        prev = self._prev_norm
+        return 1.0 if prev is None else min(1.0, self.max_grad_norm / (prev + 1e-6))
+
+    def _apply(self, p: Tensor, r0: int | None, r1: int | None, g: Tensor) -> None:
+        hp = self._hp(p)
+        st = self._state(p)
+        if self.max_grad_norm <= 0 or self.clip == "previous":  # the norm is logged (and used next step)
+            self._norm_sq_now = self._norm_sq_now + g.double().square().sum()
+        if not bool(torch.isfinite(g).all()):
+            self._nonfinite_seen = True
+            return
+        coef = self._clip_coef()
+        if coef != 1.0:
+            g = g * coef
+        step = int(st["step"].item()) + (1 if r0 in (None, 0) else 0)
+        if r0 in (None, 0):
+            st["step"] += 1
+        sl = slice(None) if r0 is None else slice(r0, r1)
+        update, names = K.RULES[self.rule]
+        with torch.no_grad():
+            update(p.data[sl], g, {n: st[n][sl] for n in names}, hp, step)
+
+    def _linear_weight_backward(self, weight: Tensor, dy: Tensor, x: Tensor) -> None:
+        """Called from the fused linear's backward with ``dy`` ``[N, out]`` and ``x`` ``[N, in]``."""
+        rows = K.row_tiles(weight.shape[0], weight.shape[1], self.tile_bytes)
+        if not self._is_sync():  # gradient accumulation: keep the sum in .grad until the sync micro-batch
+            g = (dy.t() @ x).to(weight.dtype)
+            weight.grad = g if weight.grad is None else weight.grad + g
+            return
+        acc = weight.grad
+        if self._mode == "norm":
+            for _, _, tile in K.linear_weight_tiles(dy, x, rows, acc, weight.dtype):
+                self._norm_sq += tile.double().square().sum()
+            return
+        weight.grad = None
+        if self._mode == "skip":
+            return
+        for r0, r1, tile in K.linear_weight_tiles(dy, x, rows, acc, weight.dtype):
+            self._apply(weight, r0, r1, tile)
+
+    def _on_grad(self, p: Tensor) -> None:
+        if p.grad is None or not self._is_sync():  # fused weights reach here with no gradient: nothing to do
+            return
+        if self._mode == "norm":
+            g = p.grad if p not in self._stash else p.grad + self._stash[p]
+            self._norm_sq += g.double().square().sum()
+            p.grad = None
+            return
+        g, p.grad = p.grad, None
+        if self._mode == "skip":
+            return
+        self._apply(p, None, None, g)
+
+    # ------------------------------------------------------------------------------------------- Optimizer API
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """The updates already happened in backward; this closes the step (bookkeeping, logging)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.max_grad_norm <= 0 or self.clip == "previous":
+            now = float(self._norm_sq_now)
+            self.last_grad_norm = math.sqrt(now) if math.isfinite(now) else float("nan")
+            self._prev_norm = self.last_grad_norm
+            self._norm_sq_now = 0.0
+        if self._nonfinite_seen:
+            self.skipped_steps += 1
+            log.warning("forge: non-finite gradients were not applied (tensors skipped; %d steps affected so far)",
+                        self.skipped_steps)
+            self._nonfinite_seen = False
+        self._mode = "apply"
+        self._norm_pass_seen = False
+        return loss
+
+    def backward(self, loss: Tensor) -> None:
+        """``loss.backward()`` with exact clipping for losses computed outside the model's forward."""
+        if self.max_grad_norm > 0 and self.clip == "exact" and self._is_sync():
+            self._norm_pass(loss, torch.ones_like(loss))
+        loss.backward()
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["forge"] = {"skipped_steps": self.skipped_steps, "prev_norm": self._prev_norm}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("forge", {})
+        super().load_state_dict(state_dict)
+        self.skipped_steps = extra.get("skipped_steps", 0)
+        self._prev_norm = extra.get("prev_norm")
+        # load_state_dict replaces the param_group dicts; our index maps params to positions, still valid.
+
+
+class ForgeAdamW(ForgeOptimizer):
+    """AdamW applied inside the backward pass (FORGE). In fp32 the result equals ``torch.optim.AdamW``.
+
+    Args:
+        params: parameters or parameter groups (as for ``torch.optim.AdamW``).
+        model: the ``nn.Module`` those parameters belong to (its ``nn.Linear`` layers get the fused backward).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        max_grad_norm: global-norm clipping threshold (0 = off).
+        clip: ``"exact"`` (a norm-only backward pass first) or ``"previous"`` (the previous step's norm).
+
+    Example::
+
+        from memgrad_hf.optim import ForgeAdamW
+        opt = ForgeAdamW(model.parameters(), model=model, lr=1e-4, weight_decay=0.01)
+        for batch in data:
+            model(**batch).loss.backward()   # weights are updated here
+            opt.step()                        # closes the step (bookkeeping); no gradient is stored
+    """
+
+    rule = "adamw"
+
+    def __init__(self, params: Iterable[Any], model: nn.Module | None = None, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 **kwargs: Any) -> None:
+        _check_hp(lr, betas, eps, weight_decay)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), model=model,
+                         **kwargs)
+
+
+class ForgeLion(ForgeOptimizer):
+    """Lion applied inside the backward pass (FORGE). One state tensor per parameter.
+
+    Example::
+
+        from memgrad_hf.optim import ForgeLion
+        opt = ForgeLion(model.parameters(), model=model, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1)
+    """
+
+    rule = "lion"
+
+    def __init__(self, params: Iterable[Any], model: nn.Module | None = None, lr: float = 1e-4,
+                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, **kwargs: Any) -> None:
+        _check_hp(lr, betas, 0.0, weight_decay)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), model=model, **kwargs)
+
+
+def _check_hp(lr: float, betas: tuple[float, float], eps: float, wd: float) -> None:
+    if not lr >= 0:
+        raise ValueError(f"lr must be >= 0; got {lr}.")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1); got {betas}.")
+    if not eps >= 0 or not wd >= 0:
+        raise ValueError(f"eps and weight_decay must be >= 0; got eps={eps}, weight_decay={wd}.")

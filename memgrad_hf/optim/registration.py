@@ -1,0 +1,106 @@
+"""Make ``optim="forge_adamw"`` / ``"forge_lion"`` valid Trainer choices (``TrainingArguments`` and the CLI).
+
+transformers has no registration API: real ``OptimizerNames`` members are added (so ``to_dict``/JSON/pickle and
+``HfArgumentParser`` choices work) and a handler is put in the Trainer's handler table. Parsers built before
+``import memgrad_hf`` keep their old choices, so import it first.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("memgrad_hf.forge")
+
+NAMES = {"FORGE_ADAMW": "forge_adamw", "FORGE_LION": "forge_lion"}
+
+
+def _add_member(enum_cls: Any, name: str, value: str) -> Any:
+    if value in enum_cls._value2member_map_:
+        return enum_cls._value2member_map_[value]
+    member = str.__new__(enum_cls, value)
+    member._name_ = name
+    member._value_ = value
+    member.__objclass__ = enum_cls
+    member._sort_order_ = len(enum_cls._member_names_)
+    enum_cls._member_names_.append(name)
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    type.__setattr__(enum_cls, name, member)  # EnumType.__setattr__ refuses to add members
+    return member
+
+
+def _parse_bool(v: str) -> bool:
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean in optim_args, got {v!r}")
+
+
+def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
+    from memgrad_hf.optim.forge import ForgeAdamW, ForgeLion
+
+    args = ctx.args
+    name = str(getattr(args.optim, "value", args.optim))
+    _check_trainer_args(args, name)
+    kwargs = dict(ctx.optimizer_kwargs)
+    cls = ForgeAdamW if name == "forge_adamw" else ForgeLion
+    if cls is ForgeAdamW:
+        kwargs.update(ctx.adam_kwargs)
+    else:
+        kwargs["betas"] = (args.adam_beta1, args.adam_beta2)
+    kwargs["forge_model"] = ctx.model
+    kwargs["max_grad_norm"] = float(args.max_grad_norm or 0.0)
+    for key, value in (ctx.optim_args or {}).items():
+        if key == "clip":
+            kwargs["clip"] = value
+        elif key == "tile_bytes":
+            kwargs["tile_bytes"] = int(value)
+        else:
+            raise ValueError(
+                f"optim_args key {key!r} is not understood by {name}; supported: clip=exact|previous, tile_bytes=N."
+            )
+    if kwargs["max_grad_norm"] > 0:
+        log.warning(
+            "%s: max_grad_norm=%s is applied exactly%s. Set max_grad_norm=0 to skip clipping.",
+            name, kwargs["max_grad_norm"],
+            " (previous step's norm: optim_args clip=previous)" if kwargs.get("clip") == "previous"
+            else " with a norm-only backward pass first (costs a second backward; optim_args='clip=previous' uses "
+                 "the previous step's norm instead)",
+        )
+    return cls, kwargs
+
+
+def _check_trainer_args(args: Any, name: str) -> None:
+    if getattr(args, "fp16", False):
+        raise ValueError(
+            f"optim={name} cannot be used with fp16=True: the update happens inside backward, before the GradScaler "
+            "can check for overflow. Use bf16=True (no loss scaling needed) or another optimizer."
+        )
+    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None) or getattr(args, "world_size", 1) > 1:
+        raise ValueError(
+            f"optim={name} does not support distributed training yet (DDP/FSDP/DeepSpeed): each rank would update "
+            "with its local, un-reduced gradient tiles. Train on one device or use adamw_torch."
+        )
+
+
+def register() -> None:
+    """Idempotent; called by ``import memgrad_hf``."""
+    from transformers import trainer_optimizer
+    from transformers.training_args import OptimizerNames
+
+    for name, value in NAMES.items():
+        member = _add_member(OptimizerNames, name, value)
+        trainer_optimizer._OPTIMIZER_HANDLERS[member] = _handler
+    _register_callback()
+
+
+def _register_callback() -> None:
+    """Every Trainer gets :class:`ForgeLogCallback` (a no-op unless the optimizer is a FORGE one)."""
+    import transformers.trainer as trainer_mod
+
+    from memgrad_hf.callbacks.forge import ForgeLogCallback
+
+    if not any(c is ForgeLogCallback for c in trainer_mod.DEFAULT_CALLBACKS):
+        trainer_mod.DEFAULT_CALLBACKS.append(ForgeLogCallback)
