@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import types
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -75,7 +76,12 @@ class ForgeOptimizer(Optimizer):
                 f"{type(self).__name__} needs the model (model=...) to fuse the update into its linear layers' "
                 "backward, e.g. ForgeAdamW(model.parameters(), model=model, lr=1e-4)."
             )
+        _refuse_distributed(model)
         super().__init__(params, defaults)
+        previous = getattr(model, "_memgrad_forge_optimizer", None)
+        if previous is not None and previous() is not None:
+            previous().detach()  # a new optimizer (e.g. a second Trainer) takes over the model's hooks and swaps
+        model._memgrad_forge_optimizer = weakref.ref(self)
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
         self.clip = clip
@@ -162,6 +168,8 @@ class ForgeOptimizer(Optimizer):
             if self._had_instance_forward:
                 self.model.forward = self._original_forward
         self._swapped, self._hooks = [], []
+        if getattr(self.model, "_memgrad_forge_optimizer", lambda: None)() is self:
+            del self.model._memgrad_forge_optimizer
 
     # ------------------------------------------------------------------------------------------- the step
 
@@ -341,6 +349,18 @@ class ForgeLion(ForgeOptimizer):
                  betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, **kwargs: Any) -> None:
         _check_hp(lr, betas, 0.0, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), model=model, **kwargs)
+
+
+def _refuse_distributed(model: nn.Module) -> None:
+    wrapped = type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") or any(
+        type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") for m in model.modules()
+    )
+    if wrapped or (torch.distributed.is_available() and torch.distributed.is_initialized()
+                   and torch.distributed.get_world_size() > 1):
+        raise ValueError(
+            "FORGE optimizers do not support distributed training yet (DDP/FSDP/DeepSpeed): each rank would apply "
+            "its local, un-reduced gradient tiles. Train on one device, or use torch.optim.AdamW."
+        )
 
 
 def _check_hp(lr: float, betas: tuple[float, float], eps: float, wd: float) -> None:
