@@ -50,6 +50,58 @@ RULES: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
 }
 
 
+# ---------------------------------------------------------------------------------------------- precision
+
+
+def round_to_bf16_stochastic(x: Tensor, seed: int) -> Tensor:
+    """fp32 -> bf16 with stochastic rounding: ``E[result] = x`` (unbiased), reproducible from ``seed``.
+
+    Adds a uniform random integer in ``[0, 2^16)`` to the fp32 bit pattern and truncates the low 16 bits: a value
+    a fraction ``f`` of the way between two bf16 neighbours rounds up with probability ``f``.
+    """
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    noise = torch.randint(0, 1 << 16, x.shape, generator=gen, device=x.device, dtype=torch.int32)
+    bits = x.contiguous().view(torch.int32)
+    finite = torch.isfinite(x)
+    out = ((bits + noise) & -65536).view(torch.float32)  # -65536 == 0xFFFF0000 as int32
+    return torch.where(finite, out, x).to(torch.bfloat16)  # low bits are zero: the cast is exact
+
+
+def _store(dst: Tensor, src32: Tensor, stochastic: bool, seed: int) -> None:
+    if dst.dtype == torch.float32:
+        if dst.data_ptr() != src32.data_ptr():
+            dst.copy_(src32)
+    elif dst.dtype == torch.bfloat16 and stochastic:
+        dst.copy_(round_to_bf16_stochastic(src32, seed))
+    else:
+        dst.copy_(src32)
+
+
+def apply_rule(
+    rule: str,
+    p: Tensor,
+    g: Tensor,
+    st: dict[str, Tensor],
+    hp: dict[str, Any],
+    step: int,
+    *,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> None:
+    """Run ``rule`` on (a slice of) ``p`` in fp32 whatever the storage dtypes, and store the results back.
+
+    fp32 storage is updated in place (bit-exact ``torch.optim`` op order). bf16 weights are rounded back to
+    nearest, or stochastically with ``stochastic_rounding``; bf16 optimizer state is always rounded
+    stochastically (with nearest rounding ``v·β2`` would never decay in bf16)."""
+    update, names = RULES[rule]
+    p32 = p if p.dtype == torch.float32 else p.float()
+    st32 = {n: st[n] if st[n].dtype == torch.float32 else st[n].float() for n in names}
+    update(p32, g if g.dtype == torch.float32 else g.float(), st32, hp, step)
+    _store(p, p32, stochastic_rounding, seed)
+    for i, n in enumerate(names):
+        _store(st[n], st32[n], True, seed * 7 + i + 1)
+
+
 # ---------------------------------------------------------------------------------------------- fused linear
 
 

@@ -64,6 +64,8 @@ class ForgeOptimizer(Optimizer):
         max_grad_norm: float = 0.0,
         clip: str = "exact",
         tile_bytes: int = 4 << 20,
+        stochastic_rounding: bool = False,
+        state_dtype: torch.dtype | str = torch.float32,
         forge_model: nn.Module | None = None,
     ) -> None:
         model = model if model is not None else forge_model  # the Trainer passes it as forge_model
@@ -77,6 +79,7 @@ class ForgeOptimizer(Optimizer):
                 "backward, e.g. ForgeAdamW(model.parameters(), model=model, lr=1e-4)."
             )
         _refuse_distributed(model)
+        state_dtype = _parse_dtype(state_dtype)
         super().__init__(params, defaults)
         previous = getattr(model, "_memgrad_forge_optimizer", None)
         if previous is not None and previous() is not None:
@@ -86,6 +89,8 @@ class ForgeOptimizer(Optimizer):
         self.max_grad_norm = float(max_grad_norm)
         self.clip = clip
         self.tile_bytes = int(tile_bytes)
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.state_dtype = state_dtype
         self.sync: bool | None = None  # None: follow accelerate's GradientState (Trainer); else set by the user
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
@@ -97,6 +102,7 @@ class ForgeOptimizer(Optimizer):
         self._nonfinite_seen = False
         self._norm_sq_now: Tensor | float = 0.0
         self._group_index = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        self._group_index_pos = {p: k for k, p in enumerate(self._group_index)}
         counts: dict[int, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
             counts[id(p)] = counts.get(id(p), 0) + 1
@@ -131,7 +137,7 @@ class ForgeOptimizer(Optimizer):
         if not st:
             st["step"] = torch.tensor(0.0)
             for name in K.RULES[self.rule][1]:
-                st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st[name] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
         return st
 
     def _wrap_model_forward(self) -> None:
@@ -227,9 +233,12 @@ class ForgeOptimizer(Optimizer):
         if r0 in (None, 0):
             st["step"] += 1
         sl = slice(None) if r0 is None else slice(r0, r1)
-        update, names = K.RULES[self.rule]
+        names = K.RULES[self.rule][1]
+        # reproducible rounding noise: a function of (parameter, step, tile) only, so resumed runs match
+        seed = (self._group_index_pos[p] * 1_000_003 + step * 1_009 + (r0 or 0)) & 0x7FFFFFFF
         with torch.no_grad():
-            update(p.data[sl], g, {n: st[n][sl] for n in names}, hp, step)
+            K.apply_rule(self.rule, p.data[sl], g, {n: st[n][sl] for n in names}, hp, step,
+                         stochastic_rounding=self.stochastic_rounding, seed=seed)
 
     def _linear_weight_backward(self, weight: Tensor, dy: Tensor, x: Tensor) -> None:
         """Called from the fused linear's backward with ``dy`` ``[N, out]`` and ``x`` ``[N, in]``."""
@@ -349,6 +358,17 @@ class ForgeLion(ForgeOptimizer):
                  betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, **kwargs: Any) -> None:
         _check_hp(lr, betas, 0.0, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), model=model, **kwargs)
+
+
+def _parse_dtype(d: torch.dtype | str) -> torch.dtype:
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    if isinstance(d, str):
+        if d.lower() not in table:
+            raise ValueError(f"state_dtype must be one of {sorted(table)}; got {d!r}.")
+        return table[d.lower()]
+    if d not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16; got {d}.")
+    return d
 
 
 def _refuse_distributed(model: nn.Module) -> None:

@@ -57,9 +57,14 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             kwargs["clip"] = value
         elif key == "tile_bytes":
             kwargs["tile_bytes"] = int(value)
+        elif key in ("stochastic_rounding", "bf16_stochastic_round"):
+            kwargs["stochastic_rounding"] = _parse_bool(value)
+        elif key == "state_dtype":
+            kwargs["state_dtype"] = value
         else:
             raise ValueError(
-                f"optim_args key {key!r} is not understood by {name}; supported: clip=exact|previous, tile_bytes=N."
+                f"optim_args key {key!r} is not understood by {name}; supported: clip=exact|previous, "
+                "stochastic_rounding=true|false, state_dtype=fp32|bf16, tile_bytes=N."
             )
     if kwargs["max_grad_norm"] > 0:
         log.warning(
