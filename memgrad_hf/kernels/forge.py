@@ -131,3 +131,35 @@ def linear_weight_tiles(
         if accumulated is not None:
             tile = tile + accumulated[r0:r1]
         yield r0, r1, tile
+
+
+def linear_weight_step(
+    rule: str,
+    dy: Tensor,
+    x: Tensor,
+    w: Tensor,
+    st: dict[str, Tensor],
+    hp: dict[str, Any],
+    step: int,
+    acc: Tensor | None = None,
+    *,
+    rows_per_tile: int | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Update ``w`` and its state ``st`` in place with ``rule`` applied to ``dW = dyᵀ·x (+ acc)``, one row block at
+    a time; returns ``(Σ dW², tiles skipped)``. Tiles with a non-finite value are not applied (nor is their state).
+
+    The torch twin of :func:`memgrad_hf.kernels.forge_triton.linear_weight_step` (same signature)."""
+    rows = rows_per_tile or row_tiles(w.shape[0], w.shape[1])
+    norm = torch.zeros((), dtype=torch.float64, device=w.device)
+    bad = torch.zeros((), dtype=torch.int32, device=w.device)
+    names = RULES[rule][1]
+    for r0, r1, tile in linear_weight_tiles(dy, x, rows, acc, w.dtype):
+        norm += tile.double().square().sum()
+        if not bool(torch.isfinite(tile).all()):
+            bad += 1
+            continue
+        apply_rule(rule, w[r0:r1], tile, {n: st[n][r0:r1] for n in names}, hp, step,
+                   stochastic_rounding=stochastic_rounding, seed=seed + r0)
+    return norm, bad

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from memgrad_hf.functional import retain_head_grads
+from memgrad_hf.kernels import backend
 from memgrad_hf.kernels import forge as K
 from memgrad_hf.patches import forge as P
 
@@ -255,8 +256,33 @@ class ForgeOptimizer(Optimizer):
         weight.grad = None
         if self._mode == "skip":
             return
-        for r0, r1, tile in K.linear_weight_tiles(dy, x, rows, acc, weight.dtype):
-            self._apply(weight, r0, r1, tile)
+        hp, st = self._hp(weight), self._state(weight)
+        st["step"] += 1
+        step = int(st["step"].item())
+        coef = self._clip_coef()
+        if coef != 1.0:  # dW is linear in dY: clip by scaling dY (and the accumulated part)
+            dy = dy * coef
+            acc = None if acc is None else acc * coef
+        names = K.RULES[self.rule][1]
+        seed = (self._group_index_pos[weight] * 1_000_003 + step * 1_009) & 0x7FFFFFFF
+        with torch.no_grad():
+            norm_sq, bad = self._weight_step_impl(weight)(
+                self.rule, dy, x, weight.data, {n: st[n] for n in names}, hp, step, acc, rows_per_tile=rows,
+                stochastic_rounding=self.stochastic_rounding, seed=seed,
+            )
+        if self.max_grad_norm <= 0 or self.clip == "previous":
+            self._norm_sq_now = self._norm_sq_now + norm_sq.double() / (coef * coef)
+        if bool(bad):
+            self._nonfinite_seen = True
+
+    def _weight_step_impl(self, weight: Tensor):
+        """The Triton kernel on CUDA for fp32 state without stochastic rounding, else the torch twin."""
+        if (backend(weight.device) == "triton" and self.state_dtype == torch.float32
+                and not self.stochastic_rounding and weight.is_contiguous()):
+            from memgrad_hf.kernels import forge_triton
+
+            return forge_triton.linear_weight_step
+        return K.linear_weight_step
 
     def _on_grad(self, p: Tensor) -> None:
         if p.grad is None or not self._is_sync():  # fused weights reach here with no gradient: nothing to do

@@ -1,0 +1,109 @@
+"""Full Trainer steps with FORGE vs. stock optimizers, side by side (``memgrad-hf bench forge``).
+
+A Llama-style model (~60M parameters, fp32 on CPU; pass a bigger config and --bf16 on GPU) trained with HF
+``Trainer`` for a few steps per optimizer. Peak memory: one fresh process per configuration, the peak a training run
+adds over the loaded model (optimizer state included). Time per step: configurations interleaved round-robin in
+this process (each run builds a fresh Trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions
+
+CONFIGS = {
+    "adamw_torch": dict(optim="adamw_torch"),
+    "adamw_torch_fused": dict(optim="adamw_torch_fused"),
+    "adalomo": dict(optim="adalomo"),
+    "forge_adamw": dict(optim="forge_adamw"),
+    "forge_adamw+bf16_state": dict(optim="forge_adamw", optim_args="state_dtype=bf16"),
+    "forge_lion": dict(optim="forge_lion"),
+    "forge_adamw+clip": dict(optim="forge_adamw", max_grad_norm=1.0),
+    "adamw_torch+clip": dict(optim="adamw_torch", max_grad_norm=1.0),
+}
+
+
+def setup(device: str, config: str, hidden: int, layers: int, vocab: int, batch: int, seq: int, steps: int,
+          bf16: bool) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    import memgrad_hf  # noqa: F401  (registers forge_*)
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875) // 16 * 16,
+                      num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1),
+                      num_key_value_heads=max(hidden // 64, 1), max_position_embeddings=max(seq, 128))
+    model = LlamaForCausalLM(cfg).to(device)
+    if bf16:
+        model = model.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": (ids := torch.randint(0, vocab, (seq,), generator=g).tolist()), "labels": ids}
+            for _ in range(batch * steps)]
+    return {"model": model, "data": data, "config": config, "batch": batch, "steps": steps, "device": device}
+
+
+def run(s: dict) -> None:
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+
+    kw = dict(output_dir="/tmp/memgrad_bench_forge", max_steps=s["steps"], per_device_train_batch_size=s["batch"],
+              learning_rate=1e-4, logging_steps=10_000, save_strategy="no", report_to="none",
+              use_cpu=not s["device"].startswith("cuda"), dataloader_num_workers=0, disable_tqdm=True,
+              max_grad_norm=0.0, seed=0)
+    kw.update(CONFIGS[s["config"]])
+    t = Trainer(model=s["model"], args=TrainingArguments(**kw), train_dataset=s["data"])
+    t.remove_callback(PrinterCallback)
+    t.train()
+    opt = getattr(t.optimizer, "optimizer", t.optimizer)
+    if hasattr(opt, "detach"):
+        opt.detach()  # the next run's Trainer builds its own optimizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="memgrad-hf bench forge", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--bf16", action="store_true", help="bf16 model weights")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    kw = dict(hidden=a.hidden, layers=a.layers, vocab=a.vocab, batch=a.batch, seq=a.seq, steps=a.steps, bf16=a.bf16)
+    cases = [Case(c, setup, run, dict(config=c, **kw)) for c in a.configs]
+    n_params = sum(p.numel() for p in setup("cpu", a.configs[0], **kw)["model"].parameters())
+    print(f"# Trainer, Llama-style {n_params / 1e6:.1f}M params, {a.steps} steps of {a.batch}x{a.seq} tokens, "
+          f"{'bf16' if a.bf16 else 'fp32'} weights, {a.device}")
+    print(f"# {machine(a.device)}; {versions()}\n")
+    mem = {c.name: peak_added_mib(c, a.device, a.threads) for c in cases}
+    times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=0)
+    base_m, base_t = mem.get("adamw_torch"), times.get("adamw_torch")
+    print("| optimizer | peak added (MiB) | vs adamw_torch | s/step (min / median) | vs adamw_torch |")
+    print("|---|---:|---:|---:|---:|")
+    for c in cases:
+        m, t = mem[c.name], times.get(c.name)
+        if not m["ok"] or not isinstance(t, tuple):
+            print(f"| {c.name} | — | | {m.get('error') if not m['ok'] else t} | |")
+            continue
+        rm = f"{m['added_mib'] / base_m['added_mib']:.2f}x" if base_m and base_m["ok"] else ""
+        rt = f"{t[1] / base_t[1]:.2f}x" if isinstance(base_t, tuple) else ""
+        print(f"| {c.name} | {m['added_mib']:.0f} | {rm} | {t[0] / a.steps:.3f} / {t[1] / a.steps:.3f} | {rt} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
