@@ -102,6 +102,39 @@ def apply_rule(
         _store(st[n], st32[n], True, seed * 7 + i + 1)
 
 
+def norm_sq(t: Tensor) -> Tensor:
+    """Σ t² accumulated in fp64 without an fp64 copy of ``t``."""
+    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
+
+
+def apply_rule_chunked(
+    rule: str,
+    p: Tensor,
+    g: Tensor,
+    st: dict[str, Tensor],
+    hp: dict[str, Any],
+    step: int,
+    *,
+    coef: float = 1.0,
+    chunk_elems: int = 1 << 20,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> None:
+    """:func:`apply_rule` on a whole tensor in flat chunks, so the rule's temporaries stay chunk-sized
+    (element-wise rules: the result is identical to one call on the whole tensor). ``coef`` scales ``g``."""
+    if not (p.is_contiguous() and g.is_contiguous() and all(v.is_contiguous() for v in st.values())):
+        apply_rule(rule, p, g * coef if coef != 1.0 else g, st, hp, step,
+                   stochastic_rounding=stochastic_rounding, seed=seed)
+        return
+    fp, fg = p.view(-1), g.reshape(-1)
+    fst = {k: v.view(-1) for k, v in st.items()}
+    for i in range(0, fp.numel(), chunk_elems):
+        j = min(i + chunk_elems, fp.numel())
+        gi = fg[i:j] * coef if coef != 1.0 else fg[i:j]
+        apply_rule(rule, fp[i:j], gi, {k: v[i:j] for k, v in fst.items()}, hp, step,
+                   stochastic_rounding=stochastic_rounding, seed=seed + i)
+
+
 # ---------------------------------------------------------------------------------------------- fused linear
 
 
@@ -156,7 +189,7 @@ def linear_weight_step(
     bad = torch.zeros((), dtype=torch.int32, device=w.device)
     names = RULES[rule][1]
     for r0, r1, tile in linear_weight_tiles(dy, x, rows, acc, w.dtype):
-        norm += tile.double().square().sum()
+        norm += norm_sq(tile)
         if not bool(torch.isfinite(tile).all()):
             bad += 1
             continue

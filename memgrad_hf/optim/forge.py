@@ -219,27 +219,23 @@ class ForgeOptimizer(Optimizer):
         prev = self._prev_norm
         return 1.0 if prev is None else min(1.0, self.max_grad_norm / (prev + 1e-6))
 
-    def _apply(self, p: Tensor, r0: int | None, r1: int | None, g: Tensor) -> None:
-        hp = self._hp(p)
-        st = self._state(p)
+    def _apply(self, p: Tensor, g: Tensor) -> None:
+        """Update a hooked (non-fused) parameter from its complete gradient, then the gradient is dropped."""
+        hp, st = self._hp(p), self._state(p)
         if self.max_grad_norm <= 0 or self.clip == "previous":  # the norm is logged (and used next step)
-            self._norm_sq_now = self._norm_sq_now + g.double().square().sum()
+            self._norm_sq_now = self._norm_sq_now + K.norm_sq(g)
         if not bool(torch.isfinite(g).all()):
             self._nonfinite_seen = True
             return
         coef = self._clip_coef()
-        if coef != 1.0:
-            g = g * coef
-        step = int(st["step"].item()) + (1 if r0 in (None, 0) else 0)
-        if r0 in (None, 0):
-            st["step"] += 1
-        sl = slice(None) if r0 is None else slice(r0, r1)
-        names = K.RULES[self.rule][1]
-        # reproducible rounding noise: a function of (parameter, step, tile) only, so resumed runs match
-        seed = (self._group_index_pos[p] * 1_000_003 + step * 1_009 + (r0 or 0)) & 0x7FFFFFFF
+        st["step"] += 1
+        step = int(st["step"].item())
+        # reproducible rounding noise: a function of (parameter, step) only, so resumed runs match
+        seed = (self._group_index_pos[p] * 1_000_003 + step * 1_009) & 0x7FFFFFFF
         with torch.no_grad():
-            K.apply_rule(self.rule, p.data[sl], g, {n: st[n][sl] for n in names}, hp, step,
-                         stochastic_rounding=self.stochastic_rounding, seed=seed)
+            K.apply_rule_chunked(self.rule, p.data, g, {n: st[n] for n in K.RULES[self.rule][1]}, hp, step,
+                                 coef=coef, chunk_elems=max(self.tile_bytes // 4, 1),
+                                 stochastic_rounding=self.stochastic_rounding, seed=seed)
 
     def _linear_weight_backward(self, weight: Tensor, dy: Tensor, x: Tensor) -> None:
         """Called from the fused linear's backward with ``dy`` ``[N, out]`` and ``x`` ``[N, in]``."""
@@ -251,7 +247,7 @@ class ForgeOptimizer(Optimizer):
         acc = weight.grad
         if self._mode == "norm":
             for _, _, tile in K.linear_weight_tiles(dy, x, rows, acc, weight.dtype):
-                self._norm_sq += tile.double().square().sum()
+                self._norm_sq += K.norm_sq(tile)
             return
         weight.grad = None
         if self._mode == "skip":
@@ -289,13 +285,13 @@ class ForgeOptimizer(Optimizer):
             return
         if self._mode == "norm":
             g = p.grad if p not in self._stash else p.grad + self._stash[p]
-            self._norm_sq += g.double().square().sum()
+            self._norm_sq += K.norm_sq(g)
             p.grad = None
             return
         g, p.grad = p.grad, None
         if self._mode == "skip":
             return
-        self._apply(p, None, None, g)
+        self._apply(p, g)
 
     # ------------------------------------------------------------------------------------------- Optimizer API
 
