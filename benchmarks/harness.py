@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import os
 import statistics
 import time
 import traceback
@@ -53,7 +54,17 @@ def peak_added_mib(case: Case, device: str = "cpu", threads: int = 2, timeout: f
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(case, device, threads, q))
-    p.start()
+    # glibc serves allocations >= 64 KiB with mmap and returns them on free, so the peak RSS tracks live tensors
+    # instead of what the allocator happens to keep cached (read by the child's libc at start-up).
+    old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        p.start()
+    finally:
+        if old is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = old
     try:
         out = q.get(timeout=timeout)
     except Exception as e:

@@ -91,15 +91,16 @@ def apply_rule(
     """Run ``rule`` on (a slice of) ``p`` in fp32 whatever the storage dtypes, and store the results back.
 
     fp32 storage is updated in place (bit-exact ``torch.optim`` op order). bf16 weights are rounded back to
-    nearest, or stochastically with ``stochastic_rounding``; bf16 optimizer state is always rounded
-    stochastically (with nearest rounding ``v·β2`` would never decay in bf16)."""
+    nearest, or stochastically with ``stochastic_rounding``. In bf16 state the second moment is rounded
+    stochastically (with nearest rounding ``v·β2`` with β2 = 0.999 would never decay: the change is below bf16's
+    spacing); first moments move by ``(1-β1)·(g-m)`` per step, far above it, and are rounded to nearest."""
     update, names = RULES[rule]
     p32 = p if p.dtype == torch.float32 else p.float()
     st32 = {n: st[n] if st[n].dtype == torch.float32 else st[n].float() for n in names}
     update(p32, g if g.dtype == torch.float32 else g.float(), st32, hp, step)
     _store(p, p32, stochastic_rounding, seed)
     for i, n in enumerate(names):
-        _store(st[n], st32[n], True, seed * 7 + i + 1)
+        _store(st[n], st32[n], n == "exp_avg_sq", seed * 7 + i + 1)
 
 
 def norm_sq(t: Tensor) -> Tensor:

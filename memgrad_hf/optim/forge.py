@@ -109,7 +109,7 @@ class ForgeOptimizer(Optimizer):
             counts[id(p)] = counts.get(id(p), 0) + 1
         fusable = {id(p) for p in self._group_index if counts.get(id(p), 0) == 1 and p.requires_grad}
         self._swapped = P.swap_linears(model, self, fusable)
-        self._fused = {m.weight for m in self._swapped}
+        self._fused = {m.weight for m in self._swapped}  # nn.Linear and nn.Embedding weights
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._group_index
                        if p.requires_grad]
         self._wrapped_forward = False
@@ -270,6 +270,55 @@ class ForgeOptimizer(Optimizer):
             self._norm_sq_now = self._norm_sq_now + norm_sq.double() / (coef * coef)
         if bool(bad):
             self._nonfinite_seen = True
+
+    def _embedding_weight_backward(self, weight: Tensor, ids: Tensor, dy: Tensor, padding_idx: int | None) -> None:
+        """Called from the fused embedding's backward: the dense gradient is built and applied per row block."""
+        if padding_idx is not None:  # nn.Embedding's padding row gets no gradient
+            keep = ids != padding_idx
+            ids, dy = ids[keep], dy[keep]
+        dy = dy.to(weight.dtype)
+        rows = K.row_tiles(weight.shape[0], weight.shape[1], self.tile_bytes)
+
+        acc = weight.grad  # gradient accumulated over earlier micro-batches, if any
+
+        def tiles():
+            for r0 in range(0, weight.shape[0], rows):
+                r1 = min(r0 + rows, weight.shape[0])
+                sel = (ids >= r0) & (ids < r1)
+                g = torch.zeros(r1 - r0, weight.shape[1], dtype=weight.dtype, device=weight.device)
+                g.index_add_(0, ids[sel] - r0, dy[sel])
+                yield r0, r1, g if acc is None else g + acc[r0:r1]
+
+        if not self._is_sync():
+            g = torch.zeros_like(weight).index_add_(0, ids, dy)
+            weight.grad = g if weight.grad is None else weight.grad + g
+            return
+        if self._mode == "norm":
+            for _, _, g in tiles():
+                self._norm_sq += K.norm_sq(g)
+            return
+        tile_list = tiles()
+        weight.grad = None
+        if self._mode == "skip":
+            return
+        hp, st = self._hp(weight), self._state(weight)
+        st["step"] += 1
+        step = int(st["step"].item())
+        coef = self._clip_coef()
+        names = K.RULES[self.rule][1]
+        seed = (self._group_index_pos[weight] * 1_000_003 + step * 1_009) & 0x7FFFFFFF
+        bad = False
+        with torch.no_grad():
+            for r0, r1, g in tile_list:
+                if self.max_grad_norm <= 0 or self.clip == "previous":
+                    self._norm_sq_now = self._norm_sq_now + K.norm_sq(g)
+                if not bool(torch.isfinite(g).all()):
+                    bad = True
+                    continue
+                K.apply_rule(self.rule, weight.data[r0:r1], g * coef if coef != 1.0 else g,
+                             {n: st[n][r0:r1] for n in names}, hp, step,
+                             stochastic_rounding=self.stochastic_rounding, seed=seed + r0)
+        self._nonfinite_seen |= bad
 
     def _weight_step_impl(self, weight: Tensor):
         """The Triton kernel on CUDA for fp32 state without stochastic rounding, else the torch twin."""

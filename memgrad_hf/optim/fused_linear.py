@@ -1,4 +1,4 @@
-"""The linear layer whose backward applies the optimizer step to its weight, tile by tile.
+"""Linear and embedding layers whose backward applies the optimizer step to their weight, tile by tile.
 
 ``dX = dY·W`` is computed first (with the old weight), then ``dW`` is produced one row block at a time and each
 block is handed to the optimizer's element-wise rule at once: the weight gradient never exists as a tensor.
@@ -41,3 +41,21 @@ class ForgeLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             opt._linear_weight_backward(weight, dy2, x2)
         return dx, None, db, None, None
+
+
+class ForgeEmbeddingFunction(torch.autograd.Function):
+    """``F.embedding`` whose backward builds the (dense) weight gradient one row block at a time from the
+    looked-up rows and applies the update to each block at once."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: Tensor, weight: Tensor, padding_idx: int | None, opt: Any):
+        ctx.save_for_backward(ids)
+        ctx.weight, ctx.padding_idx, ctx.opt = weight, padding_idx, opt
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor):
+        (ids,) = ctx.saved_tensors
+        ctx.opt._embedding_weight_backward(ctx.weight, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]),
+                                           ctx.padding_idx)
+        return None, None, None, None

@@ -21,21 +21,39 @@ def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return ForgeLinearFunction.apply(x, self.weight, self.bias, opt, dt)
 
 
-def swap_linears(model: nn.Module, optimizer: Any, weights: set[int]) -> list[nn.Linear]:
-    """Give every plain ``nn.Linear`` whose weight (by ``id``) is in ``weights`` the fused backward."""
+def _forge_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    from memgrad_hf.optim.fused_linear import ForgeEmbeddingFunction
+
+    return ForgeEmbeddingFunction.apply(ids, self.weight, self.padding_idx, getattr(self, _ATTR))
+
+
+def _plain_embedding(m: nn.Module) -> bool:
+    # max_norm renormalizes rows in forward and sparse=True has its own gradient format: leave those alone
+    return type(m) is nn.Embedding and m.max_norm is None and not m.sparse and not m.scale_grad_by_freq
+
+
+def swap_linears(model: nn.Module, optimizer: Any, weights: set[int]) -> list[nn.Module]:
+    """Give every plain ``nn.Linear`` (and ``nn.Embedding``) whose weight (by ``id``) is in ``weights`` the fused
+    backward."""
     swapped = []
     for module in model.modules():
-        if type(module) is not nn.Linear or id(module.weight) not in weights:
+        if type(module) is nn.Linear:
+            fwd = _forge_forward
+        elif _plain_embedding(module):
+            fwd = _forge_embedding_forward
+        else:
+            continue
+        if id(module.weight) not in weights:
             continue
         if "forward" in module.__dict__ and not hasattr(module, _ATTR):
             continue  # someone else (e.g. the chunked head capture) owns this forward right now
         setattr(module, _ATTR, optimizer)
-        module.forward = types.MethodType(_forge_forward, module)
+        module.forward = types.MethodType(fwd, module)
         swapped.append(module)
     return swapped
 
 
-def restore_linears(modules: list[nn.Linear]) -> None:
+def restore_linears(modules: list[nn.Module]) -> None:
     for module in modules:
         if hasattr(module, _ATTR):
             delattr(module, _ATTR)

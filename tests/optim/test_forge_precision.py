@@ -38,7 +38,7 @@ def test_small_updates_survive_in_bf16_only_with_stochastic_rounding():
 
 
 def test_bf16_state_stays_within_stated_bound_of_fp32_state():
-    """Stated bound: bf16 state carries a relative error of at most 2^-8 on m and v (stochastic rounding, unbiased),
+    """Stated bound: bf16 state carries a relative error of at most 2^-8 on m and v (v rounded stochastically),
     so each AdamW step moves a weight by lr·m/sqrt(v) within ~2^-7 relative of the fp32-state step; after n steps
     every weight is within n·lr·2^-6 (2x margin) of the fp32-state run."""
     model = tiny_model("llama")
