@@ -380,6 +380,11 @@ class ForgeOptimizer(Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("forge", {})
         super().load_state_dict(state_dict)
+        # torch.optim casts floating state to each parameter's dtype on load: restore the configured state dtype
+        for st in self.state.values():
+            for name in K.RULES[self.rule][1]:
+                if name in st and st[name].dtype != self.state_dtype:
+                    st[name] = st[name].to(self.state_dtype)
         self.skipped_steps = extra.get("skipped_steps", 0)
         self._prev_norm = extra.get("prev_norm")
         # load_state_dict replaces the param_group dicts; our index maps params to positions, still valid.

@@ -53,3 +53,18 @@ def test_bf16_state_stays_within_stated_bound_of_fp32_state():
     assert all(v.dtype == torch.bfloat16 for st in opts[0].state.values() for k, v in st.items() if k != "step")
     worst = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(), strict=True))
     assert 0 < worst <= 6 * 1e-2 * 2**-6
+
+
+def test_bf16_state_survives_a_state_dict_round_trip():
+    model = tiny_model("llama")
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-3, state_dtype="bf16")
+    ids = torch.randint(1, 100, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    opt2 = ForgeAdamW(model.parameters(), model=model, lr=1e-3, state_dtype="bf16")
+    opt2.load_state_dict(sd)
+    for p in model.parameters():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert opt2.state[p][k].dtype == torch.bfloat16
+            assert torch.equal(opt2.state[p][k], opt.state[p][k])
