@@ -190,8 +190,9 @@ def linear_weight_step(
     bad = torch.zeros((), dtype=torch.int32, device=w.device)
     names = RULES[rule][1]
     for r0, r1, tile in linear_weight_tiles(dy, x, rows, acc, w.dtype):
-        norm += norm_sq(tile)
-        if not bool(torch.isfinite(tile).all()):
+        tile_sq = norm_sq(tile)  # fp64: finite for every finite fp32 tile, so it doubles as the finiteness check
+        norm += tile_sq
+        if not bool(torch.isfinite(tile_sq)):
             bad += 1
             continue
         apply_rule(rule, w[r0:r1], tile, {n: st[n][r0:r1] for n in names}, hp, step,

@@ -222,9 +222,10 @@ class ForgeOptimizer(Optimizer):
     def _apply(self, p: Tensor, g: Tensor) -> None:
         """Update a hooked (non-fused) parameter from its complete gradient, then the gradient is dropped."""
         hp, st = self._hp(p), self._state(p)
+        g_sq = K.norm_sq(g)  # fp64: also the finiteness check (one pass)
         if self.max_grad_norm <= 0 or self.clip == "previous":  # the norm is logged (and used next step)
-            self._norm_sq_now = self._norm_sq_now + K.norm_sq(g)
-        if not bool(torch.isfinite(g).all()):
+            self._norm_sq_now = self._norm_sq_now + g_sq
+        if not bool(torch.isfinite(g_sq)):
             self._nonfinite_seen = True
             return
         coef = self._clip_coef()
@@ -310,9 +311,10 @@ class ForgeOptimizer(Optimizer):
         bad = False
         with torch.no_grad():
             for r0, r1, g in tile_list:
+                g_sq = K.norm_sq(g)
                 if self.max_grad_norm <= 0 or self.clip == "previous":
-                    self._norm_sq_now = self._norm_sq_now + K.norm_sq(g)
-                if not bool(torch.isfinite(g).all()):
+                    self._norm_sq_now = self._norm_sq_now + g_sq
+                if not bool(torch.isfinite(g_sq)):
                     bad = True
                     continue
                 K.apply_rule(self.rule, weight.data[r0:r1], g * coef if coef != 1.0 else g,
