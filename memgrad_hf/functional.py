@@ -228,6 +228,7 @@ def linear_cross_entropy(
     num_items_in_batch: int | Tensor | None = None,
     chunk_size: int | None = None,
     accum_dtype: torch.dtype | None = None,
+    grad_in_forward: bool = True,
 ) -> Tensor:
     """Cross-entropy of ``z = softcap·tanh(logit_scale·(hidden @ weight.T + bias)/softcap)`` against ``labels``.
 
@@ -246,6 +247,10 @@ def linear_cross_entropy(
         chunk_size: tokens per chunk (default: automatic, see ``kernels.head.default_chunk_size``).
         accum_dtype: dtype of the weight-gradient accumulator; default fp32 (exact for bf16 models), or the
             weight's dtype to save ``4·V·H`` bytes.
+        grad_in_forward: compute the gradients during the forward pass (default: no recompute, 6·N·V·H flops; the
+            weight gradient then lives from forward to backward). ``False`` recomputes the logits in backward
+            (8·N·V·H flops) so the weight gradient exists only from the head's backward on — what an optimizer
+            that consumes gradients during backward (FORGE) wants.
 
     Returns:
         A scalar (or ``[...]`` for ``reduction="none"``), fp32.
@@ -285,6 +290,10 @@ def linear_cross_entropy(
         denom = 1
     if n_valid == 0:
         return (hv.sum() * 0.0 + weight.sum() * 0.0).float() / denom
+    if not grad_in_forward:
+        lse, zt, _, zmean = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunk, False, label_smoothing > 0, acc)
+        total = _ce_from_stats(lse, zt, zmean, label_smoothing, z_loss).sum()
+        return total / (denom.to(total.device) if isinstance(denom, Tensor) else float(denom))
     if isinstance(denom, Tensor):
         w = (1.0 / denom.to(device=hv.device, dtype=torch.float32)).expand(n_valid)
     else:

@@ -224,3 +224,15 @@ def test_no_grad_forward_does_one_gemm_per_chunk():
     with torch.no_grad(), CountMM():
         linear_cross_entropy(h, w, y, chunk_size=15)
     assert CountMM.n == 3  # 45 tokens / 15 per chunk, logits only
+
+
+@pytest.mark.parametrize("kw", [{}, {"label_smoothing": 0.1, "z_loss": 1e-3}, {"num_items_in_batch": 30}])
+def test_recompute_in_backward_equals_fused_forward(kw):
+    h, w, b, y = _inputs(bias=True)
+    a = linear_cross_entropy(h, w, y, bias=b, chunk_size=8, **kw)
+    ga = torch.autograd.grad(a, [h, w, b])
+    r = linear_cross_entropy(h, w, y, bias=b, chunk_size=8, grad_in_forward=False, **kw)
+    gr = torch.autograd.grad(r, [h, w, b])
+    assert rel_err(r, a) < 1e-6
+    for x, z in zip(gr, ga, strict=True):
+        assert rel_err(x, z) < 1e-5

@@ -112,6 +112,10 @@ class ForgeOptimizer(Optimizer):
         self._fused = {m.weight for m in self._swapped}  # nn.Linear and nn.Embedding weights
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._group_index
                        if p.requires_grad]
+        # A chunked LM head would otherwise hold its weight gradient from forward through the whole backward.
+        from memgrad_hf.patches.head import set_head_grad_in_forward
+
+        set_head_grad_in_forward(model, False)
         self._wrapped_forward = False
         if self.max_grad_norm > 0 and self.clip == "exact":
             self._wrap_model_forward()
@@ -167,6 +171,9 @@ class ForgeOptimizer(Optimizer):
 
     def detach(self) -> None:
         """Undo the model changes (linear swaps, hooks, forward wrapper). The optimizer is unusable afterwards."""
+        from memgrad_hf.patches.head import set_head_grad_in_forward
+
+        set_head_grad_in_forward(self.model, True)
         P.restore_linears(self._swapped)
         for h in self._hooks:
             h.remove()

@@ -43,6 +43,7 @@ class HeadPatch:
     original: Any  # the forward callable that was in place before patching
     had_instance_forward: bool
     signature: inspect.Signature = field(repr=False)
+    grad_in_forward: bool = True  # False under FORGE: the weight gradient should not outlive the head's backward
 
 
 # ------------------------------------------------------------------------------------------ head resolution
@@ -220,6 +221,7 @@ def _chunked_causal_lm_loss(
     return linear_cross_entropy(
         h, weight, shift_labels, bias=bias, ignore_index=ignore_index, softcap=softcap, logit_scale=scale,
         num_items_in_batch=num_items_in_batch, chunk_size=patch.chunk_size, accum_dtype=patch.accum_dtype,
+        grad_in_forward=patch.grad_in_forward,
     )
 
 
@@ -327,6 +329,15 @@ def unpatch_head(model: nn.Module) -> bool:
     else:
         del model.forward
     delattr(model, _ATTR)
+    return True
+
+
+def set_head_grad_in_forward(model: nn.Module, value: bool) -> bool:
+    """Choose when a patched head computes its gradients; returns whether ``model`` is head-patched."""
+    patch: HeadPatch | None = getattr(model, _ATTR, None)
+    if patch is None:
+        return False
+    patch.grad_in_forward = value
     return True
 
 
