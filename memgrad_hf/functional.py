@@ -94,7 +94,9 @@ class _ChunkedHeadStats(torch.autograd.Function):
     """Per-token ``(lse, z_target, entropy, mean_z)`` with a recompute-in-backward gradient for any use of them."""
 
     @staticmethod
-    def forward(ctx: Any, hidden, weight, bias, targets, ep, chunk, need_entropy, need_zmean, accum_dtype):
+    def forward(ctx: Any, hidden, weight, bias, targets, ep, chunk, need_entropy, need_zmean, accum_dtype,
+                weight_consumer=None):
+        ctx.weight_consumer = weight_consumer
         st = head_impl(hidden.device).head_stats(hidden, weight, bias, targets, ep, chunk_size=chunk,
                           need_entropy=need_entropy, need_zmean=need_zmean)
         ctx.save_for_backward(hidden, weight, bias, targets, st.lse, st.entropy)
@@ -112,7 +114,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
         ep, chunk, accum_dtype, vocab = ctx.cfg
         need = ctx.needs_input_grad
         if not (need[0] or need[1] or need[2]):
-            return (None,) * 9
+            return (None,) * 10
         g_ent = g_ent if ent is not None else None
         zero = torch.zeros_like(lse)
         alpha = g_lse.float() if g_lse is not None else zero
@@ -123,6 +125,13 @@ class _ChunkedHeadStats(torch.autograd.Function):
             beta = -g_ent
         gamma = None if g_zt is None else g_zt.float()
         delta = None if g_zmean is None or g_zmean.numel() == 0 else g_zmean.float() / vocab
+        if ctx.weight_consumer is not None and need[1]:
+            # the weight gradient goes to the consumer one vocabulary block at a time; autograd gets None for it
+            dx, _ = head_impl(hidden.device).head_backward_vocab_blocks(
+                hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta, ctx.weight_consumer,
+                need_dx=need[0], need_db=bias is not None and need[2],
+            )
+            return dx, None, None, None, None, None, None, None, None, None
         dx, dw, db = head_impl(hidden.device).head_backward(
             hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta,
             chunk_size=chunk, need_dx=need[0], need_dw=need[1], need_db=bias is not None and need[2],
@@ -130,7 +139,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
         )
         dw = None if dw is None else dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -229,6 +238,7 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     accum_dtype: torch.dtype | None = None,
     grad_in_forward: bool = True,
+    weight_grad_consumer: Any = None,
 ) -> Tensor:
     """Cross-entropy of ``z = softcap·tanh(logit_scale·(hidden @ weight.T + bias)/softcap)`` against ``labels``.
 
@@ -251,6 +261,9 @@ def linear_cross_entropy(
             weight gradient then lives from forward to backward). ``False`` recomputes the logits in backward
             (8·N·V·H flops) so the weight gradient exists only from the head's backward on — what an optimizer
             that consumes gradients during backward (FORGE) wants.
+        weight_grad_consumer: ``f(v0, v1, dW_block, db_block)``; if given (implies ``grad_in_forward=False``), the
+            weight (and bias) gradient is handed over one block of vocabulary rows at a time during backward
+            instead of being returned to autograd — the full weight gradient never exists (FORGE's fused head).
 
     Returns:
         A scalar (or ``[...]`` for ``reduction="none"``), fp32.
@@ -290,8 +303,9 @@ def linear_cross_entropy(
         denom = 1
     if n_valid == 0:
         return (hv.sum() * 0.0 + weight.sum() * 0.0).float() / denom
-    if not grad_in_forward:
-        lse, zt, _, zmean = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunk, False, label_smoothing > 0, acc)
+    if not grad_in_forward or weight_grad_consumer is not None:
+        lse, zt, _, zmean = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunk, False, label_smoothing > 0, acc,
+                                                    weight_grad_consumer)
         total = _ce_from_stats(lse, zt, zmean, label_smoothing, z_loss).sum()
         return total / (denom.to(total.device) if isinstance(denom, Tensor) else float(denom))
     if isinstance(denom, Tensor):

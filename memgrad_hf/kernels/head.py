@@ -19,6 +19,7 @@ Nothing here knows about transformers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -287,6 +288,63 @@ def head_backward(
         del dcap
         _accumulate(du, rows, h, weight, part(dx, s, e), dw, db)
     return dx, dw, db
+
+
+def head_backward_vocab_blocks(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    lse: Tensor,
+    ep: Epilogue,
+    alpha: Tensor,
+    beta: Tensor | None,
+    gamma: Tensor | None,
+    delta: Tensor | None,
+    on_weight_block: Callable[[int, int, Tensor, Tensor | None], None],
+    *,
+    block_bytes: int = 32 << 20,
+    need_dx: bool = True,
+    need_db: bool = False,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Like :func:`head_backward`, but walks the vocabulary in row blocks: each block's weight gradient
+    ``dW[v0:v1]`` (and bias gradient) is complete once computed and is handed to ``on_weight_block(v0, v1, dW_blk,
+    db_blk)`` at once (an optimizer applies it and drops it); the full ``dW`` never exists. Returns ``(dX, db)``
+    with ``db`` None (it went to the callback). ``lse`` from the forward makes each block's softmax exact."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    vb = max(16, min(vocab, block_bytes // max(4 * n, 1)))
+    dx = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dx else None
+    lp = weight.dtype != torch.float32
+    for v0 in range(0, vocab, vb):
+        v1 = min(v0 + vb, vocab)
+        w_blk = weight[v0:v1]
+        z = _chunk_logits(hidden, w_blk, None if bias is None else bias[v0:v1], ep, None)
+        dcap = _cap_derivative(z, ep)
+        p = z.sub_(lse[:, None]).exp_()
+        if beta is not None:
+            plogp = torch.special.xlogy(p, p).mul_(beta[:, None])
+            p.mul_((alpha + beta * lse)[:, None]).add_(plogp)
+            del plogp
+        else:
+            p.mul_(alpha[:, None])
+        if gamma is not None:
+            inside = (targets >= v0) & (targets < v1)
+            idx = inside.nonzero().squeeze(1)
+            p.index_put_((idx, targets[idx] - v0), gamma[idx], accumulate=True)
+        if delta is not None:
+            p.add_(delta[:, None])
+        if dcap is not None:
+            p.mul_(dcap)
+        elif ep.inp != 1.0:
+            p.mul_(ep.inp)
+        du = p if not lp else p.to(weight.dtype)
+        if dx is not None:
+            dx.addmm_(du.float() if lp else du, w_blk.float() if lp else w_blk)
+        dw_blk = (du.t() @ hidden).to(weight.dtype) if not lp else (du.t().float() @ hidden.float()).to(weight.dtype)
+        db_blk = du.sum(0).to(bias.dtype) if (need_db and bias is not None) else None
+        del p, z, dcap
+        on_weight_block(v0, v1, dw_blk, db_blk)
+    return (None if dx is None else dx.to(hidden.dtype)), None
 
 
 def fused_cross_entropy(

@@ -112,10 +112,10 @@ class ForgeOptimizer(Optimizer):
         self._fused = {m.weight for m in self._swapped}  # nn.Linear and nn.Embedding weights
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._group_index
                        if p.requires_grad]
-        # A chunked LM head would otherwise hold its weight gradient from forward through the whole backward.
-        from memgrad_hf.patches.head import set_head_grad_in_forward
+        # A chunked LM head hands its weight gradient over in vocabulary blocks instead of building it.
+        from memgrad_hf.patches.head import set_head_weight_consumer
 
-        set_head_grad_in_forward(model, False)
+        set_head_weight_consumer(model, self._head_weight_consumer)
         self._wrapped_forward = False
         if self.max_grad_norm > 0 and self.clip == "exact":
             self._wrap_model_forward()
@@ -171,9 +171,9 @@ class ForgeOptimizer(Optimizer):
 
     def detach(self) -> None:
         """Undo the model changes (linear swaps, hooks, forward wrapper). The optimizer is unusable afterwards."""
-        from memgrad_hf.patches.head import set_head_grad_in_forward
+        from memgrad_hf.patches.head import set_head_weight_consumer
 
-        set_head_grad_in_forward(self.model, True)
+        set_head_weight_consumer(self.model, None)
         P.restore_linears(self._swapped)
         for h in self._hooks:
             h.remove()
@@ -279,6 +279,48 @@ class ForgeOptimizer(Optimizer):
         if bool(bad):
             self._nonfinite_seen = True
 
+    # Row blocks of a weight gradient pushed to the optimizer one at a time (embedding, chunked LM head).
+
+    def _begin_blocks(self, weight: Tensor) -> dict[str, Any] | None:
+        """Start a weight's blockwise step; None when this backward does not apply updates (accumulating)."""
+        if not self._is_sync():
+            return None
+        blk: dict[str, Any] = {"acc": weight.grad}  # gradient accumulated over earlier micro-batches, if any
+        if self._mode == "norm":
+            return blk
+        weight.grad = None
+        if self._mode == "apply":
+            st = self._state(weight)
+            st["step"] += 1
+            blk.update(step=int(st["step"].item()), coef=self._clip_coef(), st=st, hp=self._hp(weight))
+            blk["seed"] = (self._group_index_pos[weight] * 1_000_003 + blk["step"] * 1_009) & 0x7FFFFFFF
+        return blk
+
+    def _apply_block(self, weight: Tensor, blk: dict[str, Any] | None, r0: int, r1: int, g: Tensor) -> None:
+        if blk is None:  # accumulating: the block joins weight.grad
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            weight.grad[r0:r1] += g
+            return
+        if blk["acc"] is not None:
+            g = g + blk["acc"][r0:r1]
+        if self._mode == "norm":
+            self._norm_sq += K.norm_sq(g)
+            return
+        if self._mode == "skip":
+            return
+        g_sq = K.norm_sq(g)
+        if self.max_grad_norm <= 0 or self.clip == "previous":
+            self._norm_sq_now = self._norm_sq_now + g_sq
+        if not bool(torch.isfinite(g_sq)):
+            self._nonfinite_seen = True
+            return
+        coef, names, st = blk["coef"], K.RULES[self.rule][1], blk["st"]
+        with torch.no_grad():
+            K.apply_rule(self.rule, weight.data[r0:r1], g * coef if coef != 1.0 else g,
+                         {n: st[n][r0:r1] for n in names}, blk["hp"], blk["step"],
+                         stochastic_rounding=self.stochastic_rounding, seed=blk["seed"] + r0)
+
     def _embedding_weight_backward(self, weight: Tensor, ids: Tensor, dy: Tensor, padding_idx: int | None) -> None:
         """Called from the fused embedding's backward: the dense gradient is built and applied per row block."""
         if padding_idx is not None:  # nn.Embedding's padding row gets no gradient
@@ -286,48 +328,26 @@ class ForgeOptimizer(Optimizer):
             ids, dy = ids[keep], dy[keep]
         dy = dy.to(weight.dtype)
         rows = K.row_tiles(weight.shape[0], weight.shape[1], self.tile_bytes)
+        blk = self._begin_blocks(weight)
+        for r0 in range(0, weight.shape[0], rows):
+            r1 = min(r0 + rows, weight.shape[0])
+            sel = (ids >= r0) & (ids < r1)
+            g = torch.zeros(r1 - r0, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            g.index_add_(0, ids[sel] - r0, dy[sel])
+            self._apply_block(weight, blk, r0, r1, g)
 
-        acc = weight.grad  # gradient accumulated over earlier micro-batches, if any
+    def _head_weight_consumer(self, weight: Tensor) -> Any:
+        """For a chunked LM head whose weight this optimizer updates: receives its gradient in vocabulary blocks."""
+        if weight not in self._fused:
+            return None
+        state: dict[str, Any] = {}
 
-        def tiles():
-            for r0 in range(0, weight.shape[0], rows):
-                r1 = min(r0 + rows, weight.shape[0])
-                sel = (ids >= r0) & (ids < r1)
-                g = torch.zeros(r1 - r0, weight.shape[1], dtype=weight.dtype, device=weight.device)
-                g.index_add_(0, ids[sel] - r0, dy[sel])
-                yield r0, r1, g if acc is None else g + acc[r0:r1]
+        def consume(v0: int, v1: int, dw: Tensor, db: Tensor | None) -> None:
+            if v0 == 0:
+                state["blk"] = self._begin_blocks(weight)
+            self._apply_block(weight, state["blk"], v0, v1, dw)
 
-        if not self._is_sync():
-            g = torch.zeros_like(weight).index_add_(0, ids, dy)
-            weight.grad = g if weight.grad is None else weight.grad + g
-            return
-        if self._mode == "norm":
-            for _, _, g in tiles():
-                self._norm_sq += K.norm_sq(g)
-            return
-        tile_list = tiles()
-        weight.grad = None
-        if self._mode == "skip":
-            return
-        hp, st = self._hp(weight), self._state(weight)
-        st["step"] += 1
-        step = int(st["step"].item())
-        coef = self._clip_coef()
-        names = K.RULES[self.rule][1]
-        seed = (self._group_index_pos[weight] * 1_000_003 + step * 1_009) & 0x7FFFFFFF
-        bad = False
-        with torch.no_grad():
-            for r0, r1, g in tile_list:
-                g_sq = K.norm_sq(g)
-                if self.max_grad_norm <= 0 or self.clip == "previous":
-                    self._norm_sq_now = self._norm_sq_now + g_sq
-                if not bool(torch.isfinite(g_sq)):
-                    bad = True
-                    continue
-                K.apply_rule(self.rule, weight.data[r0:r1], g * coef if coef != 1.0 else g,
-                             {n: st[n][r0:r1] for n in names}, hp, step,
-                             stochastic_rounding=self.stochastic_rounding, seed=seed + r0)
-        self._nonfinite_seen |= bad
+        return consume
 
     def _weight_step_impl(self, weight: Tensor):
         """The Triton kernel on CUDA for fp32 state without stochastic rounding, else the torch twin."""

@@ -43,7 +43,8 @@ class HeadPatch:
     original: Any  # the forward callable that was in place before patching
     had_instance_forward: bool
     signature: inspect.Signature = field(repr=False)
-    grad_in_forward: bool = True  # False under FORGE: the weight gradient should not outlive the head's backward
+    # Set by a FORGE optimizer: weight -> consumer of its gradient in vocabulary blocks (or None)
+    weight_consumer_factory: Any = None
 
 
 # ------------------------------------------------------------------------------------------ head resolution
@@ -221,8 +222,17 @@ def _chunked_causal_lm_loss(
     return linear_cross_entropy(
         h, weight, shift_labels, bias=bias, ignore_index=ignore_index, softcap=softcap, logit_scale=scale,
         num_items_in_batch=num_items_in_batch, chunk_size=patch.chunk_size, accum_dtype=patch.accum_dtype,
-        grad_in_forward=patch.grad_in_forward,
+        weight_grad_consumer=_consumer(patch, head, weight, bias),
     )
+
+
+def _consumer(patch: HeadPatch, head: nn.Module, weight: torch.Tensor, bias: Any) -> Any:
+    """A FORGE consumer only for a plain head weight (no LoRA delta, no vocab slice, no bias)."""
+    if patch.weight_consumer_factory is None or bias is not None:
+        return None
+    if not isinstance(weight, nn.Parameter) or weight is not getattr(head, "weight", None):
+        return None
+    return patch.weight_consumer_factory(weight)
 
 
 # ------------------------------------------------------------------------------------------ install
@@ -332,12 +342,14 @@ def unpatch_head(model: nn.Module) -> bool:
     return True
 
 
-def set_head_grad_in_forward(model: nn.Module, value: bool) -> bool:
-    """Choose when a patched head computes its gradients; returns whether ``model`` is head-patched."""
+def set_head_weight_consumer(model: nn.Module, factory: Any) -> bool:
+    """Let an optimizer receive the head's weight gradient in vocabulary blocks during backward
+    (``factory(weight) -> consumer | None``); ``None`` restores normal gradients. Returns whether ``model`` is
+    head-patched."""
     patch: HeadPatch | None = getattr(model, _ATTR, None)
     if patch is None:
         return False
-    patch.grad_in_forward = value
+    patch.weight_consumer_factory = factory
     return True
 
 
