@@ -22,9 +22,15 @@ CONFIGS = {
     "adalomo": dict(optim="adalomo"),
     "forge_adamw": dict(optim="forge_adamw"),
     "forge_adamw+bf16_state": dict(optim="forge_adamw", optim_args="state_dtype=bf16"),
+    "forge_adamw+8bit_state": dict(optim="forge_adamw", optim_args="state_dtype=8bit"),
     "forge_lion": dict(optim="forge_lion"),
     "forge_adamw+clip": dict(optim="forge_adamw", max_grad_norm=1.0),
     "adamw_torch+clip": dict(optim="adamw_torch", max_grad_norm=1.0),
+    # with memgrad_hf.patch_model: the chunked head hands its weight gradient to FORGE in vocabulary blocks
+    "adamw_torch+head": dict(optim="adamw_torch", patch=True),
+    "forge_adamw+head": dict(optim="forge_adamw", patch=True),
+    "forge_adamw+bf16_state+head": dict(optim="forge_adamw", optim_args="state_dtype=bf16", patch=True),
+    "forge_lion+head": dict(optim="forge_lion", patch=True),
 }
 
 
@@ -34,7 +40,7 @@ def setup(device: str, config: str, hidden: int, layers: int, vocab: int, batch:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    import memgrad_hf  # noqa: F401  (registers forge_*)
+    import memgrad_hf  # registers forge_*
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -44,6 +50,8 @@ def setup(device: str, config: str, hidden: int, layers: int, vocab: int, batch:
     model = LlamaForCausalLM(cfg).to(device)
     if bf16:
         model = model.to(torch.bfloat16)
+    if CONFIGS[config].get("patch"):
+        memgrad_hf.patch_model(model)
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": (ids := torch.randint(0, vocab, (seq,), generator=g).tolist()), "labels": ids}
             for _ in range(batch * steps)]
@@ -57,7 +65,7 @@ def run(s: dict) -> None:
               learning_rate=1e-4, logging_steps=10_000, save_strategy="no", report_to="none",
               use_cpu=not s["device"].startswith("cuda"), dataloader_num_workers=0, disable_tqdm=True,
               max_grad_norm=0.0, seed=0)
-    kw.update(CONFIGS[s["config"]])
+    kw.update({k: v for k, v in CONFIGS[s["config"]].items() if k != "patch"})
     t = Trainer(model=s["model"], args=TrainingArguments(**kw), train_dataset=s["data"])
     t.remove_callback(PrinterCallback)
     t.train()

@@ -67,6 +67,60 @@ def round_to_bf16_stochastic(x: Tensor, seed: int) -> Tensor:
     return torch.where(finite, out, x).to(torch.bfloat16)  # low bits are zero: the cast is exact
 
 
+# 8-bit state: codes in float8 e4m3 (3 mantissa bits: <= 2^-4 relative error over a wide range, unlike linear int8,
+# which would flush the small second moments next to a large one to zero and blow the update up), one fp32 scale per
+# Q_BLOCK consecutive elements of a row. Blocks run along the last dimension only, so any row slice of a weight
+# (the fused tiles) carries whole blocks with its own slice of the scales.
+Q_BLOCK = 64
+Q_DTYPE = torch.float8_e4m3fn
+Q_MAX = 224.0  # block absmax maps here: stochastic rounding may go one step up (240), still below e4m3's 448
+
+
+def scale_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the per-block scales for an 8-bit state of ``shape`` (blocks of Q_BLOCK along the last dim)."""
+    return (*shape[:-1], -(-shape[-1] // Q_BLOCK))
+
+
+def quantize_8bit(x: Tensor, seed: int | None = None, keep_positive: bool = False) -> tuple[Tensor, Tensor]:
+    """fp32 ``x`` (at least 1-D) -> ``(codes, scales)``: e4m3 codes of ``x`` divided by its block's scale.
+
+    With ``seed`` the codes are rounded stochastically (unbiased: ``E[dequantize] = x`` for values in e4m3's normal
+    range), else to nearest. Per element, ``|dequantize - x| <= 2^-4·|x| + 2^-10·scale`` (nearest) or
+    ``< 2^-3·|x| + 2^-9·scale`` (stochastic). ``keep_positive``: positive values never become code 0 (they get
+    at least the smallest code, 2^-9·scale) -- for a denominator, where a flush to zero would blow the update up."""
+    n = x.shape[-1]
+    pad = (-n) % Q_BLOCK
+    xb = torch.nn.functional.pad(x.float(), (0, pad)).reshape(*x.shape[:-1], -1, Q_BLOCK)
+    amax = xb.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / Q_MAX, torch.ones_like(amax))
+    y = (xb / scale.unsqueeze(-1)).reshape(*x.shape[:-1], -1)[..., :n]
+    if seed is not None:
+        # add uniform noise below the 20 dropped mantissa bits (fp32 23 -> e4m3 3) and truncate: rounds up with
+        # probability equal to the fraction; then the cast to e4m3 is exact (normal range)
+        gen = torch.Generator(device=x.device).manual_seed(seed)
+        noise = torch.randint(0, 1 << 20, y.shape, generator=gen, device=x.device, dtype=torch.int32)
+        y = ((y.contiguous().view(torch.int32) + noise) & -(1 << 20)).view(torch.float32)
+    codes = y.to(Q_DTYPE)
+    if keep_positive:
+        tiny = torch.tensor(2.0**-9, dtype=Q_DTYPE, device=x.device)
+        codes = torch.where((y > 0) & (codes.float() == 0), tiny, codes)
+    return codes, scale
+
+
+def dequantize_8bit(codes: Tensor, scale: Tensor) -> Tensor:
+    """Inverse of :func:`quantize_8bit`: fp32 values of the codes times their block's scale."""
+    n = codes.shape[-1]
+    y = torch.nn.functional.pad(codes.float(), (0, (-n) % Q_BLOCK)).reshape(*codes.shape[:-1], -1, Q_BLOCK)
+    return (y * scale.unsqueeze(-1)).reshape(*codes.shape[:-1], -1)[..., :n]
+
+
+def state_slice(st: dict[str, Tensor], names: tuple[str, ...], r0: int, r1: int) -> dict[str, Tensor]:
+    """Rows ``r0:r1`` of the state tensors ``names`` (and of their 8-bit scales, if any)."""
+    out = {n: st[n][r0:r1] for n in names}
+    out.update({n + ".scale": st[n + ".scale"][r0:r1] for n in names if n + ".scale" in st})
+    return out
+
+
 def _store(dst: Tensor, src32: Tensor, stochastic: bool, seed: int) -> None:
     if dst.dtype == torch.float32:
         if dst.data_ptr() != src32.data_ptr():
@@ -96,11 +150,23 @@ def apply_rule(
     spacing); first moments move by ``(1-β1)·(g-m)`` per step, far above it, and are rounded to nearest."""
     update, names = RULES[rule]
     p32 = p if p.dtype == torch.float32 else p.float()
-    st32 = {n: st[n] if st[n].dtype == torch.float32 else st[n].float() for n in names}
+    # 8-bit keeps sqrt(v), not v: half the dynamic range in the codes (small second moments next to a large one
+    # survive), and a positive floor keeps every denominator away from 0
+    st32 = {n: (dequantize_8bit(st[n], st[n + ".scale"]).square() if n == "exp_avg_sq"
+                else dequantize_8bit(st[n], st[n + ".scale"])) if st[n].dtype == Q_DTYPE
+            else st[n] if st[n].dtype == torch.float32 else st[n].float() for n in names}
     update(p32, g if g.dtype == torch.float32 else g.float(), st32, hp, step)
     _store(p, p32, stochastic_rounding, seed)
     for i, n in enumerate(names):
-        _store(st[n], st32[n], n == "exp_avg_sq", seed * 7 + i + 1)
+        if st[n].dtype == Q_DTYPE:  # 8-bit: the second moment rounded stochastically, as in bf16 (see above)
+            if n == "exp_avg_sq":
+                codes, scale = quantize_8bit(st32[n].sqrt(), (seed * 7 + i + 1) & 0x7FFFFFFF, keep_positive=True)
+            else:
+                codes, scale = quantize_8bit(st32[n])
+            st[n].copy_(codes)
+            st[n + ".scale"].copy_(scale)
+        else:
+            _store(st[n], st32[n], n == "exp_avg_sq", seed * 7 + i + 1)
 
 
 def norm_sq(t: Tensor) -> Tensor:
@@ -123,7 +189,9 @@ def apply_rule_chunked(
 ) -> None:
     """:func:`apply_rule` on a whole tensor in flat chunks, so the rule's temporaries stay chunk-sized
     (element-wise rules: the result is identical to one call on the whole tensor). ``coef`` scales ``g``."""
-    if not (p.is_contiguous() and g.is_contiguous() and all(v.is_contiguous() for v in st.values())):
+    # 8-bit state blocks follow rows, not flat chunks: one call on the whole tensor
+    if not (p.is_contiguous() and g.is_contiguous() and all(v.is_contiguous() for v in st.values())) or any(
+            v.dtype == Q_DTYPE for v in st.values()):
         apply_rule(rule, p, g * coef if coef != 1.0 else g, st, hp, step,
                    stochastic_rounding=stochastic_rounding, seed=seed)
         return
@@ -195,6 +263,6 @@ def linear_weight_step(
         if not bool(torch.isfinite(tile_sq)):
             bad += 1
             continue
-        apply_rule(rule, w[r0:r1], tile, {n: st[n][r0:r1] for n in names}, hp, step,
+        apply_rule(rule, w[r0:r1], tile, state_slice(st, names, r0, r1), hp, step,
                    stochastic_rounding=stochastic_rounding, seed=seed + r0)
     return norm, bad

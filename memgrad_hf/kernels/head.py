@@ -304,15 +304,18 @@ def head_backward_vocab_blocks(
     on_weight_block: Callable[[int, int, Tensor, Tensor | None], None],
     *,
     block_bytes: int = 32 << 20,
+    weight_block_bytes: int = 4 << 20,
     need_dx: bool = True,
     need_db: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Like :func:`head_backward`, but walks the vocabulary in row blocks: each block's weight gradient
     ``dW[v0:v1]`` (and bias gradient) is complete once computed and is handed to ``on_weight_block(v0, v1, dW_blk,
     db_blk)`` at once (an optimizer applies it and drops it); the full ``dW`` never exists. Returns ``(dX, db)``
-    with ``db`` None (it went to the callback). ``lse`` from the forward makes each block's softmax exact."""
+    with ``db`` None (it went to the callback). ``lse`` from the forward makes each block's softmax exact.
+    A block keeps both its ``[tokens x block]`` logits under ``block_bytes`` and its ``[block x hidden]`` weight
+    gradient under ``weight_block_bytes``."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    vb = max(16, min(vocab, block_bytes // max(4 * n, 1)))
+    vb = max(16, min(vocab, block_bytes // max(4 * n, 1), weight_block_bytes // max(4 * hidden.shape[1], 1)))
     dx = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dx else None
     lp = weight.dtype != torch.float32
     for v0 in range(0, vocab, vb):

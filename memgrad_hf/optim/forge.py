@@ -33,6 +33,7 @@ from memgrad_hf.patches import forge as P
 log = logging.getLogger("memgrad_hf.forge")
 
 _CLIP_MODES = ("exact", "previous")
+_MIN_8BIT_NUMEL = 4096  # smaller tensors keep fp32 state under state_dtype="8bit"
 
 
 class _ClipRoot(torch.autograd.Function):
@@ -141,9 +142,18 @@ class ForgeOptimizer(Optimizer):
         st = self.state[p]
         if not st:
             st["step"] = torch.tensor(0.0)
+            dtype = self._state_dtype_for(p)
             for name in K.RULES[self.rule][1]:
-                st[name] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+                st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                if dtype == K.Q_DTYPE:
+                    st[name + ".scale"] = torch.ones(K.scale_shape(p.shape), dtype=torch.float32, device=p.device)
         return st
+
+    def _state_dtype_for(self, p: Tensor) -> torch.dtype:
+        # 8-bit only pays off for matrices; small tensors (norms, biases) keep fp32 state
+        if self.state_dtype == K.Q_DTYPE and not (p.dim() == 2 and p.numel() >= _MIN_8BIT_NUMEL):
+            return torch.float32
+        return self.state_dtype
 
     def _wrap_model_forward(self) -> None:
         model, opt = self.model, self
@@ -241,7 +251,7 @@ class ForgeOptimizer(Optimizer):
         # reproducible rounding noise: a function of (parameter, step) only, so resumed runs match
         seed = (self._group_index_pos[p] * 1_000_003 + step * 1_009) & 0x7FFFFFFF
         with torch.no_grad():
-            K.apply_rule_chunked(self.rule, p.data, g, {n: st[n] for n in K.RULES[self.rule][1]}, hp, step,
+            K.apply_rule_chunked(self.rule, p.data, g, {k: v for k, v in st.items() if k != "step"}, hp, step,
                                  coef=coef, chunk_elems=max(self.tile_bytes // 4, 1),
                                  stochastic_rounding=self.stochastic_rounding, seed=seed)
 
@@ -267,11 +277,11 @@ class ForgeOptimizer(Optimizer):
         if coef != 1.0:  # dW is linear in dY: clip by scaling dY (and the accumulated part)
             dy = dy * coef
             acc = None if acc is None else acc * coef
-        names = K.RULES[self.rule][1]
         seed = (self._group_index_pos[weight] * 1_000_003 + step * 1_009) & 0x7FFFFFFF
         with torch.no_grad():
             norm_sq, bad = self._weight_step_impl(weight)(
-                self.rule, dy, x, weight.data, {n: st[n] for n in names}, hp, step, acc, rows_per_tile=rows,
+                self.rule, dy, x, weight.data, {k: v for k, v in st.items() if k != "step"}, hp, step, acc,
+                rows_per_tile=rows,
                 stochastic_rounding=self.stochastic_rounding, seed=seed,
             )
         if self.max_grad_norm <= 0 or self.clip == "previous":
@@ -318,7 +328,7 @@ class ForgeOptimizer(Optimizer):
         coef, names, st = blk["coef"], K.RULES[self.rule][1], blk["st"]
         with torch.no_grad():
             K.apply_rule(self.rule, weight.data[r0:r1], g * coef if coef != 1.0 else g,
-                         {n: st[n][r0:r1] for n in names}, blk["hp"], blk["step"],
+                         K.state_slice(st, names, r0, r1), blk["hp"], blk["step"],
                          stochastic_rounding=self.stochastic_rounding, seed=blk["seed"] + r0)
 
     def _embedding_weight_backward(self, weight: Tensor, ids: Tensor, dy: Tensor, padding_idx: int | None) -> None:
@@ -410,10 +420,20 @@ class ForgeOptimizer(Optimizer):
         extra = state_dict.pop("forge", {})
         super().load_state_dict(state_dict)
         # torch.optim casts floating state to each parameter's dtype on load: restore the configured state dtype
-        for st in self.state.values():
+        # (exact: fp32/bf16/e4m3 values survive the round trip through a wider dtype) and the saved 8-bit scales
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_state = state_dict["state"]
+        for i, p in zip(saved_ids, params, strict=True):
+            st = self.state.get(p)
+            if not st:
+                continue
             for name in K.RULES[self.rule][1]:
-                if name in st and st[name].dtype != self.state_dtype:
-                    st[name] = st[name].to(self.state_dtype)
+                want = self._state_dtype_for(p)
+                if name in st and st[name].dtype != want:
+                    st[name] = st[name].to(want)
+                if name + ".scale" in st:
+                    st[name + ".scale"] = saved_state[i][name + ".scale"].to(device=p.device, dtype=torch.float32)
         self.skipped_steps = extra.get("skipped_steps", 0)
         self._prev_norm = extra.get("prev_norm")
         # load_state_dict replaces the param_group dicts; our index maps params to positions, still valid.
@@ -466,13 +486,14 @@ class ForgeLion(ForgeOptimizer):
 
 
 def _parse_dtype(d: torch.dtype | str) -> torch.dtype:
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "8bit": K.Q_DTYPE}
     if isinstance(d, str):
         if d.lower() not in table:
             raise ValueError(f"state_dtype must be one of {sorted(table)}; got {d!r}.")
         return table[d.lower()]
-    if d not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16; got {d}.")
+    if d not in (torch.float32, torch.bfloat16, K.Q_DTYPE):
+        raise ValueError(f"state_dtype must be torch.float32, torch.bfloat16 or '8bit'; got {d}.")
     return d
 
 
