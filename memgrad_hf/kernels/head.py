@@ -130,15 +130,19 @@ def _grad_from_probs(
     dcap: Tensor | None,
     ep: Epilogue,
     factor_rows: bool,
+    target_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Turn the softmax ``p`` of a chunk into ``dL/du`` in place (``u`` = pre-epilogue logits).
+
+    ``target_rows``: for a block of vocabulary columns, the rows whose target falls inside it (``t`` then holds
+    those targets' columns within the block); by default every row's target ``t`` is a column of ``p``.
 
     Returns ``(du, rows)``: if ``rows`` is not None the true gradient is ``rows[:, None] * du``. Pulling the
     per-token factor ``alpha`` out of the ``[chunk x vocab]`` block (it is applied to the small ``[chunk x hidden]``
     GEMM operands instead) saves a full pass over the block; done only where exact (``alpha`` has no zero, no
     entropy term) and when the caller's GEMMs run in fp32.
     """
-    if beta is None and factor_rows and bool((alpha != 0).all()):
+    if beta is None and factor_rows and target_rows is None and bool((alpha != 0).all()):
         rows = alpha * ep.inp if dcap is None else alpha
         if gamma is not None:
             p.scatter_add_(1, t[:, None], (gamma / alpha)[:, None])
@@ -154,8 +158,10 @@ def _grad_from_probs(
         del plogp
     else:
         p.mul_(alpha[:, None])
-    if gamma is not None:
+    if gamma is not None and target_rows is None:
         p.scatter_add_(1, t[:, None], gamma[:, None])
+    elif gamma is not None:
+        p.index_put_((target_rows, t), gamma[target_rows], accumulate=True)
     if delta is not None:
         p.add_(delta[:, None])
     if dcap is not None:
@@ -324,22 +330,9 @@ def head_backward_vocab_blocks(
         z = _chunk_logits(hidden, w_blk, None if bias is None else bias[v0:v1], ep, None)
         dcap = _cap_derivative(z, ep)
         p = z.sub_(lse[:, None]).exp_()
-        if beta is not None:
-            plogp = torch.special.xlogy(p, p).mul_(beta[:, None])
-            p.mul_((alpha + beta * lse)[:, None]).add_(plogp)
-            del plogp
-        else:
-            p.mul_(alpha[:, None])
-        if gamma is not None:
-            inside = (targets >= v0) & (targets < v1)
-            idx = inside.nonzero().squeeze(1)
-            p.index_put_((idx, targets[idx] - v0), gamma[idx], accumulate=True)
-        if delta is not None:
-            p.add_(delta[:, None])
-        if dcap is not None:
-            p.mul_(dcap)
-        elif ep.inp != 1.0:
-            p.mul_(ep.inp)
+        rows_in = ((targets >= v0) & (targets < v1)).nonzero().squeeze(1)
+        p, _ = _grad_from_probs(p, targets[rows_in] - v0, lse, alpha, beta, gamma, delta, dcap, ep,
+                                factor_rows=False, target_rows=rows_in)
         du = p if not lp else p.to(weight.dtype)
         if dx is not None:
             dx.addmm_(du.float() if lp else du, w_blk.float() if lp else w_blk)
