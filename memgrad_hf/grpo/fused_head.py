@@ -1,0 +1,113 @@
+"""A drop-in for TRL's ``add_fused_lm_head``, computed by memgrad's chunked kernels.
+
+Same arguments, the same ``model(..., labels=..., fused_lm_head=True)`` call contract and the same
+``FusedCausalLMOutput`` fields as ``trl.trainer.utils.add_fused_lm_head`` (TRL >= 1.15); the per-token log-probs
+and entropies come from :func:`memgrad_hf.functional.linear_logprobs`, which never holds more than one chunk of
+logits on any device (TRL's CPU fallback builds several full ``[tokens x vocab]`` temporaries).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from memgrad_hf.functional import linear_logprobs
+
+SUPPORTED_OUTPUTS = ("log_probs", "entropy")
+
+
+def _logit_rewrite(text_config: Any) -> tuple[float | None, float]:
+    """(softcap, scale) from the config attributes TRL's fused head reads, with the same precedence."""
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    for attr in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        scale = getattr(text_config, attr, None)
+        if scale is not None:
+            return softcap, float(scale)
+    scaling = getattr(text_config, "logits_scaling", None)
+    if scaling is not None:  # granite divides by it, hyperclovax multiplies
+        return softcap, float(scaling) if text_config.model_type == "hyperclovax" else 1.0 / float(scaling)
+    return softcap, 1.0
+
+
+def add_fused_lm_head(
+    model: Any,
+    temperature: float = 1.0,
+    cast_lm_head_to_fp32: bool = False,
+    outputs: tuple[str, ...] = ("log_probs",),
+) -> None:
+    """Make ``model(..., labels=labels, fused_lm_head=True)`` return per-token log-probs (and entropies) without the
+    ``[batch, seq, vocab]`` logits, exactly as TRL's function of the same name does. Without ``fused_lm_head`` the
+    original forward runs (generation unchanged).
+
+    Example::
+
+        from memgrad_hf.grpo import add_fused_lm_head
+        add_fused_lm_head(model, temperature=0.9, outputs=("log_probs", "entropy"))
+        out = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
+        out.log_probs, out.entropy, out.label_mask
+    """
+    try:
+        from trl.trainer.utils import FusedCausalLMOutput
+    except ImportError as e:
+        raise ImportError(
+            "memgrad_hf.grpo.add_fused_lm_head follows the fused-head contract of TRL >= 1.15 "
+            "(trl.trainer.utils.FusedCausalLMOutput); upgrade TRL: pip install -U 'trl>=1.15'."
+        ) from e
+    unknown = [o for o in outputs if o not in SUPPORTED_OUTPUTS]
+    if unknown:
+        raise ValueError(f"outputs {unknown} are not computed by memgrad's fused head; supported: {SUPPORTED_OUTPUTS}.")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}.")
+    original_forward = model.forward
+    text_config = model.config.get_text_config()
+    softcap, scale = _logit_rewrite(text_config)
+    want_entropy = "entropy" in outputs
+
+    @functools.wraps(type(model).forward)
+    def forward(self: Any, *args: Any, fused_lm_head: bool = False, labels: Any = None, shift_labels: Any = None,
+                num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        if not fused_lm_head:
+            extra = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+            kwargs.update({k: v for k, v in extra.items() if v is not None})
+            return original_forward(*args, **kwargs)
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)
+        body = self.base_model(*args, **kwargs)  # looked up per call: PEFT and wrappers replace it
+        hidden = body.last_hidden_state
+        if shift_labels is None:
+            hidden, targets = hidden[:, :-1], labels[:, 1:]
+        else:
+            targets = shift_labels
+        head = self.get_output_embeddings()
+        hidden, targets = hidden.to(head.weight.device), targets.to(head.weight.device)
+        mask = targets != -100
+        ctx = nullcontext()
+        if cast_lm_head_to_fp32:
+            hidden = hidden.float()
+            ctx = torch.autocast(hidden.device.type, enabled=False)
+        weight, bias = head.weight, head.bias
+        if cast_lm_head_to_fp32:
+            weight = weight.float()
+            bias = None if bias is None else bias.float()
+        with ctx:
+            res = linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
+                                  logit_scale=scale, return_entropy=want_entropy, ignore_index=-100)
+        log_probs, entropy = res if want_entropy else (res, None)
+        denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss = -log_probs.sum() / denom
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+            aux_loss = load_balancing_loss_func(body.router_logits, text_config.num_experts,
+                                                text_config.num_experts_per_tok, kwargs.get("attention_mask"))
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=None,
+                                   mean_logits=None, is_top1=None, label_mask=mask, aux_loss=aux_loss)
+
+    model.forward = types.MethodType(forward, model)

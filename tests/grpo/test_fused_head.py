@@ -1,0 +1,64 @@
+"""memgrad_hf.grpo.add_fused_lm_head against TRL's own add_fused_lm_head (fp32): outputs and every gradient."""
+
+import copy
+
+import pytest
+import torch
+from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head
+
+from memgrad_hf.grpo import add_fused_lm_head
+from tests.tiny_models import VOCAB, tiny_model
+
+
+def _run(model, ids, labels, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=labels, fused_lm_head=True, **kw)
+    g1 = torch.linspace(-1, 1, out.log_probs.numel()).reshape(out.log_probs.shape)
+    obj = (out.log_probs * g1).sum() + out.loss
+    if out.entropy is not None:
+        obj = obj + 0.3 * (out.entropy * g1.flip(-1)).sum()
+    obj.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "granite", "cohere"])
+@pytest.mark.parametrize("outputs", [("log_probs",), ("log_probs", "entropy")])
+def test_matches_trl_fused_head(family, outputs):
+    model = tiny_model(family).train()
+    ref = copy.deepcopy(model)
+    add_fused_lm_head(model, temperature=0.7, outputs=outputs)
+    trl_add_fused_lm_head(ref, temperature=0.7, outputs=outputs)
+    ids = torch.randint(1, VOCAB, (2, 10))
+    labels = ids.clone()
+    labels[0, :4] = -100  # prompt positions
+    a, ga = _run(model, ids, labels)
+    b, gb = _run(ref, ids, labels)
+    assert torch.equal(a.label_mask, b.label_mask)
+    assert torch.allclose(a.log_probs, b.log_probs, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(a.loss, b.loss, rtol=1e-5)
+    if "entropy" in outputs:
+        assert torch.allclose(a.entropy, b.entropy, rtol=1e-5, atol=1e-6)
+    assert ga.keys() == gb.keys()
+    scale = max(g.abs().max().item() for g in gb.values())
+    for n in ga:
+        assert (ga[n] - gb[n]).abs().max().item() <= 1e-5 * gb[n].abs().max().item() + 1e-6 * scale, n
+
+
+def test_shift_labels_and_plain_forward_passthrough():
+    model = tiny_model("llama").train()
+    ref = copy.deepcopy(model)
+    add_fused_lm_head(model)
+    trl_add_fused_lm_head(ref)
+    ids = torch.randint(1, VOCAB, (2, 8))
+    shift = torch.randint(0, VOCAB, (2, 8))
+    shift[:, -1] = -100
+    a = model(input_ids=ids, shift_labels=shift, fused_lm_head=True)
+    b = ref(input_ids=ids, shift_labels=shift, fused_lm_head=True)
+    assert torch.allclose(a.log_probs, b.log_probs, rtol=1e-5, atol=1e-6)
+    plain = model(input_ids=ids, labels=ids)  # without the flag: the original forward, with logits
+    assert plain.logits is not None and plain.logits.shape[-1] == VOCAB
+
+
+def test_unsupported_outputs_are_refused():
+    with pytest.raises(ValueError, match="is_top1"):
+        add_fused_lm_head(tiny_model("llama"), outputs=("log_probs", "is_top1"))
