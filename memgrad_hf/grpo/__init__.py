@@ -6,6 +6,6 @@ Example::
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
 """
 
-from memgrad_hf.grpo.fused_head import SUPPORTED_OUTPUTS, add_fused_lm_head
+from memgrad_hf.grpo.fused_head import SUPPORTED_OUTPUTS, add_fused_lm_head, patch_trl, unpatch_trl
 
-__all__ = ["SUPPORTED_OUTPUTS", "add_fused_lm_head"]
+__all__ = ["SUPPORTED_OUTPUTS", "add_fused_lm_head", "patch_trl", "unpatch_trl"]

@@ -111,3 +111,46 @@ def add_fused_lm_head(
                                    mean_logits=None, is_top1=None, label_mask=mask, aux_loss=aux_loss)
 
     model.forward = types.MethodType(forward, model)
+
+
+_TRL_MODULES = ("grpo_trainer", "rloo_trainer", "kto_trainer", "sft_trainer", "dpo_trainer")
+_ORIGINALS: dict[str, Any] = {}
+
+
+def patch_trl() -> list[str]:
+    """Make TRL's trainers install memgrad's fused head instead of their own (training, old-policy and reference
+    passes all go through it). Idempotent; returns the patched module names. Undo with :func:`unpatch_trl`.
+
+    Example::
+
+        import memgrad_hf.grpo
+        memgrad_hf.grpo.patch_trl()
+        trainer = GRPOTrainer(model=model, args=GRPOConfig(...), reward_funcs=..., train_dataset=...)
+    """
+    import importlib
+
+    done = []
+    for name in _TRL_MODULES:
+        try:
+            mod = importlib.import_module(f"trl.trainer.{name}")
+        except Exception:  # a trainer TRL does not ship (or that fails to import) is simply not patched
+            continue
+        current = getattr(mod, "add_fused_lm_head", None)
+        if current is None:
+            continue
+        if current is not add_fused_lm_head:
+            _ORIGINALS[name] = current
+            mod.add_fused_lm_head = add_fused_lm_head
+        done.append(name)
+    if not done:
+        raise ImportError("this TRL has no fused LM head (TRL >= 1.15 needed for memgrad_hf.grpo.patch_trl).")
+    return done
+
+
+def unpatch_trl() -> None:
+    """Restore TRL's own fused head in the modules :func:`patch_trl` changed."""
+    import importlib
+
+    for name, original in list(_ORIGINALS.items()):
+        importlib.import_module(f"trl.trainer.{name}").add_fused_lm_head = original
+        del _ORIGINALS[name]

@@ -1,0 +1,64 @@
+"""GRPOTrainer end to end on CPU: with memgrad's fused head (patch_trl) loss and grad norm equal stock TRL's."""
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM
+from trl import GRPOConfig, GRPOTrainer
+
+from memgrad_hf.grpo import patch_trl, unpatch_trl
+from memgrad_hf.offline import build_char_tokenizer
+
+
+def _reward(completions, **_):
+    return [c.count("a") - 0.01 * len(c) for c in completions]
+
+
+def _run(tmp_path, loss_type, patched):
+    tok = build_char_tokenizer("abc def ghi jkl mno pqr stu vwx yz 0123456789 +-=?")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(tok), max_position_embeddings=128, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
+    data = Dataset.from_dict({"prompt": ["abc", "1+2=", "def", "9-3="] * 3})
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=8, max_steps=3, learning_rate=1e-3, logging_steps=1, report_to="none",
+                      save_strategy="no", bf16=False, gradient_checkpointing=False, seed=0, loss_type=loss_type,
+                      num_iterations=2, use_vllm=False, disable_tqdm=True)
+    import memgrad_hf.grpo.fused_head as fh
+
+    calls = []
+    real = fh.linear_logprobs
+    fh.linear_logprobs = lambda *a, **k: calls.append(1) or real(*a, **k)
+    if patched:
+        patch_trl()
+    try:
+        trainer = GRPOTrainer(model=model, args=args, reward_funcs=_reward, train_dataset=data,
+                              processing_class=tok)
+        trainer.train()
+    finally:
+        unpatch_trl()
+        fh.linear_logprobs = real
+    assert bool(calls) == patched  # memgrad's head served the policy passes exactly when patched
+    hist = [h for h in trainer.state.log_history if "loss" in h]
+    return [h["loss"] for h in hist], [h["grad_norm"] for h in hist]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_grpo_loss_and_grad_norm_equal_stock_trl(tmp_path, loss_type):
+    stock = _run(tmp_path / "s", loss_type, patched=False)
+    ours = _run(tmp_path / "m", loss_type, patched=True)
+    assert len(stock[0]) == 3
+    assert ours[0] == pytest.approx(stock[0], rel=1e-5, abs=1e-7)
+    assert ours[1] == pytest.approx(stock[1], rel=1e-5)
+
+
+def test_patch_trl_swaps_and_restores():
+    import trl.trainer.grpo_trainer as g
+
+    before = g.add_fused_lm_head
+    assert "grpo_trainer" in patch_trl()
+    assert g.add_fused_lm_head is not before
+    unpatch_trl()
+    assert g.add_fused_lm_head is before
