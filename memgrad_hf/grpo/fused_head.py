@@ -115,11 +115,53 @@ def add_fused_lm_head(
 
 _TRL_MODULES = ("grpo_trainer", "rloo_trainer", "kto_trainer", "sft_trainer", "dpo_trainer")
 _ORIGINALS: dict[str, Any] = {}
+_ALL_MODELS = {"on": False}
+
+
+def _is_memgrad_patched(model: Any) -> bool:
+    from memgrad_hf.patches import _causal_lm
+    from memgrad_hf.patches.head import is_head_patched
+
+    return is_head_patched(_causal_lm(model)) or is_head_patched(model)
+
+
+def _dispatch(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """What TRL's trainers call: memgrad's head for every model after ``patch_trl()``, else for ``patch_model``ed
+    models only; TRL's own otherwise."""
+    if _ALL_MODELS["on"] or _is_memgrad_patched(model):
+        return add_fused_lm_head(model, *args, **kwargs)
+    original = next(iter(_ORIGINALS.values()))
+    return original(model, *args, **kwargs)
+
+
+def _install(modules: Any = None) -> list[str]:
+    import importlib
+    import sys
+
+    done = []
+    for name in _TRL_MODULES:
+        full = f"trl.trainer.{name}"
+        if modules == "loaded" and full not in sys.modules:
+            continue
+        try:
+            mod = importlib.import_module(full)
+        except Exception:  # a trainer TRL does not ship (or that fails to import) is simply not patched
+            continue
+        current = getattr(mod, "add_fused_lm_head", None)
+        if current is None:
+            continue
+        if current is not _dispatch:
+            _ORIGINALS[name] = current
+            mod.add_fused_lm_head = _dispatch
+        done.append(name)
+    return done
 
 
 def patch_trl() -> list[str]:
-    """Make TRL's trainers install memgrad's fused head instead of their own (training, old-policy and reference
-    passes all go through it). Idempotent; returns the patched module names. Undo with :func:`unpatch_trl`.
+    """Make TRL's trainers install memgrad's fused head instead of their own for every model (training,
+    old-policy and reference passes all go through it). Idempotent; returns the patched module names. Undo with
+    :func:`unpatch_trl`. Without this call, a model passed through :func:`memgrad_hf.patch_model` gets memgrad's head
+    automatically in TRL trainers imported before ``patch_model`` was called.
 
     Example::
 
@@ -127,30 +169,24 @@ def patch_trl() -> list[str]:
         memgrad_hf.grpo.patch_trl()
         trainer = GRPOTrainer(model=model, args=GRPOConfig(...), reward_funcs=..., train_dataset=...)
     """
-    import importlib
-
-    done = []
-    for name in _TRL_MODULES:
-        try:
-            mod = importlib.import_module(f"trl.trainer.{name}")
-        except Exception:  # a trainer TRL does not ship (or that fails to import) is simply not patched
-            continue
-        current = getattr(mod, "add_fused_lm_head", None)
-        if current is None:
-            continue
-        if current is not add_fused_lm_head:
-            _ORIGINALS[name] = current
-            mod.add_fused_lm_head = add_fused_lm_head
-        done.append(name)
+    done = _install()
     if not done:
         raise ImportError("this TRL has no fused LM head (TRL >= 1.15 needed for memgrad_hf.grpo.patch_trl).")
+    _ALL_MODELS["on"] = True
     return done
 
 
+def route_patched_models() -> list[str]:
+    """Called by ``patch_model``: TRL trainer modules already imported send ``patch_model``ed models to memgrad's
+    head (other models keep TRL's)."""
+    return _install("loaded")
+
+
 def unpatch_trl() -> None:
-    """Restore TRL's own fused head in the modules :func:`patch_trl` changed."""
+    """Restore TRL's own fused head in every module memgrad changed."""
     import importlib
 
     for name, original in list(_ORIGINALS.items()):
         importlib.import_module(f"trl.trainer.{name}").add_fused_lm_head = original
         del _ORIGINALS[name]
+    _ALL_MODELS["on"] = False

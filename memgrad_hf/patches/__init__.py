@@ -5,6 +5,7 @@ Nothing here does arithmetic; the math lives in :mod:`memgrad_hf.kernels` behind
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -57,6 +58,10 @@ def patch_model(
     target = _causal_lm(model)
     if head:
         patch_head(target, chunk_size=chunk_size, accum_dtype=accum_dtype)
+        if "trl" in sys.modules:  # TRL trainers already imported: their fused head becomes memgrad's for this model
+            from memgrad_hf.grpo.fused_head import route_patched_models
+
+            route_patched_models()
     if titans is not None:
         from memgrad_hf.patches.titans import inject_titans
 

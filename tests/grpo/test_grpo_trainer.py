@@ -14,7 +14,7 @@ def _reward(completions, **_):
     return [c.count("a") - 0.01 * len(c) for c in completions]
 
 
-def _run(tmp_path, loss_type, patched):
+def _run(tmp_path, loss_type, patched, via_patch_model=False, beta=0.0, peft=False):
     tok = build_char_tokenizer("abc def ghi jkl mno pqr stu vwx yz 0123456789 +-=?")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
@@ -22,20 +22,33 @@ def _run(tmp_path, loss_type, patched):
         vocab_size=len(tok), max_position_embeddings=128, pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
     data = Dataset.from_dict({"prompt": ["abc", "1+2=", "def", "9-3="] * 3})
+    if beta > 0:  # TRL rebuilds the reference model from the model's path: give it one
+        model.save_pretrained(tmp_path / "init")
+        tok.save_pretrained(tmp_path / "init")
+        model = LlamaForCausalLM.from_pretrained(tmp_path / "init")
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, max_steps=3, learning_rate=1e-3, logging_steps=1, report_to="none",
                       save_strategy="no", bf16=False, gradient_checkpointing=False, seed=0, loss_type=loss_type,
-                      num_iterations=2, use_vllm=False, disable_tqdm=True)
+                      num_iterations=2, use_vllm=False, disable_tqdm=True, beta=beta)
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     import memgrad_hf.grpo.fused_head as fh
 
     calls = []
     real = fh.linear_logprobs
     fh.linear_logprobs = lambda *a, **k: calls.append(1) or real(*a, **k)
-    if patched:
+    if patched and via_patch_model:
+        import memgrad_hf
+
+        memgrad_hf.patch_model(model)
+    elif patched:
         patch_trl()
     try:
         trainer = GRPOTrainer(model=model, args=args, reward_funcs=_reward, train_dataset=data,
-                              processing_class=tok)
+                              processing_class=tok, peft_config=peft_config)
         trainer.train()
     finally:
         unpatch_trl()
@@ -50,6 +63,15 @@ def test_grpo_loss_and_grad_norm_equal_stock_trl(tmp_path, loss_type):
     stock = _run(tmp_path / "s", loss_type, patched=False)
     ours = _run(tmp_path / "m", loss_type, patched=True)
     assert len(stock[0]) == 3
+    assert ours[0] == pytest.approx(stock[0], rel=1e-5, abs=1e-7)
+    assert ours[1] == pytest.approx(stock[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", [dict(via_patch_model=True), dict(beta=0.04), dict(peft=True)],
+                         ids=["automatic_via_patch_model", "reference_model_beta", "peft_lora"])
+def test_grpo_variants_equal_stock_trl(tmp_path, case):
+    stock = _run(tmp_path / "s", "dapo", patched=False, **{k: v for k, v in case.items() if k != "via_patch_model"})
+    ours = _run(tmp_path / "m", "dapo", patched=True, **case)
     assert ours[0] == pytest.approx(stock[0], rel=1e-5, abs=1e-7)
     assert ours[1] == pytest.approx(stock[1], rel=1e-5)
 
