@@ -18,3 +18,11 @@ def test_bench_compat_reports_exact_for_known_families(capsys):
     assert rc == 0, out
     assert "| llama | exact |" in out and "| gemma2 | exact |" in out
     assert "| cpmant | unsupported |" in out  # applies log_softmax after its head: refused, never silently wrong
+
+
+def test_bench_grpo_runs_through_the_cli(capsys):
+    rc = cli.main(["bench", "grpo", "--completions", "2", "--length", "16", "--vocab", "512", "--hidden", "32",
+                   "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert sum(line.startswith(("| full_logits |", "| trl |", "| memgrad |")) for line in out.splitlines()) == 3

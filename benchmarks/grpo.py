@@ -1,0 +1,89 @@
+"""GRPO scoring + loss backward, side by side (``memgrad-hf bench grpo``).
+
+Per-token log-probs and entropies of ``completions x length`` tokens at Qwen2.5's vocabulary (151936, hidden 896),
+then a policy-gradient loss ``-(logp · advantage).mean()`` backward. Peers: full logits (``log_softmax`` + gather,
+what TRL < 1.15 did), TRL 1.16's fused head (``ChunkedLogProbFunction``; on CPU its torch fallback), memgrad
+(``memgrad_hf.functional.linear_logprobs``). Peak memory per configuration in a fresh process; time round-robin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions
+
+PEERS = ("full_logits", "trl", "memgrad")
+
+
+def setup(device: str, impl: str, n: int, d: int, v: int, dtype: str) -> dict:
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(n, d, generator=g) * 0.5).to(device=device, dtype=dt).requires_grad_()
+    w = (torch.randn(v, d, generator=g) * 0.02).to(device=device, dtype=dt).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=g).to(device)
+    adv = torch.randn(n, generator=g).to(device)
+    return {"h": h, "w": w, "y": y, "adv": adv, "impl": impl}
+
+
+def _logp_entropy(impl: str, h, w, y):
+    if impl == "full_logits":
+        logits = (h @ w.t()).float()
+        ls = logits.log_softmax(-1)
+        return ls.gather(-1, y[:, None]).squeeze(-1), -(ls.exp() * ls).sum(-1)
+    if impl == "trl":
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+        lp, ent, *_ = ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 32768, None, 1.0, ("entropy",))
+        return lp, ent
+    from memgrad_hf.functional import linear_logprobs
+
+    return linear_logprobs(h, w, y, return_entropy=True)
+
+
+def run(s: dict) -> None:
+    s["h"].grad = s["w"].grad = None
+    logp, ent = _logp_entropy(s["impl"], s["h"], s["w"], s["y"])
+    loss = -(logp * s["adv"]).mean()
+    loss.backward()
+    float(ent.detach().mean())  # entropy is logged by GRPOTrainer, not differentiated
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="memgrad-hf bench grpo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--completions", type=int, default=8)
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
+    torch.set_num_threads(a.threads)
+    n = a.completions * a.length
+    print(f"# GRPO scoring + loss backward: {a.completions} x {a.length} tokens, hidden {a.hidden}, vocab {a.vocab}, "
+          f"{dtype}, {a.device}\n# {machine(a.device)}; {versions()}\n")
+    cases = [Case(peer, setup, run, dict(impl=peer, n=n, d=a.hidden, v=a.vocab, dtype=dtype)) for peer in a.peers]
+    mem = {c.name: peak_added_mib(c, a.device, a.threads) for c in cases}
+    times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=0)
+    ref_m, ref_t = mem.get("trl"), times.get("trl")
+    print("| peer | peak added (MiB) | vs TRL | time min / median (s) | vs TRL |\n|---|---:|---:|---:|---:|")
+    for c in cases:
+        m, t = mem[c.name], times.get(c.name)
+        if not m["ok"] or not isinstance(t, tuple):
+            print(f"| {c.name} | — | | {m.get('error') if not m['ok'] else t} | |")
+            continue
+        rm = f"{m['added_mib'] / ref_m['added_mib']:.2f}x" if ref_m and ref_m["ok"] else ""
+        rt = f"{t[1] / ref_t[1]:.2f}x" if isinstance(ref_t, tuple) else ""
+        print(f"| {c.name} | {m['added_mib']:.0f} | {rm} | {t[0]:.2f} / {t[1]:.2f} | {rt} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
