@@ -63,8 +63,13 @@ def patch_model(
 
             route_patched_models()
     if titans is not None:
-        from memgrad_hf.patches.titans import inject_titans
-
+        try:
+            from memgrad_hf.patches.titans import inject_titans
+        except ImportError as e:
+            raise ValueError(
+                "titans=...: Titans memory layers are not part of this memgrad_hf release yet; call "
+                "patch_model(model) without titans."
+            ) from e
         inject_titans(target, titans)
     return model
 

@@ -270,6 +270,8 @@ def test_unknown_logit_rewrite_is_refused_not_silently_dropped():
 
 def test_bad_arguments_raise_value_error():
     model = tiny_model("llama")
+    with pytest.raises(ValueError, match="Titans"):
+        memgrad_hf.patch_model(model, titans=object())
     with pytest.raises(ValueError, match="chunk_size"):
         memgrad_hf.patch_model(model, chunk_size=-1)
     with pytest.raises(ValueError, match="accum_dtype"):
