@@ -91,30 +91,32 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 class _ChunkedHeadStats(torch.autograd.Function):
-    """Per-token ``(lse, z_target, entropy, mean_z)`` with a recompute-in-backward gradient for any use of them."""
+    """Per-token ``(lse, z_target, entropy, mean_z, Σp², target_is_top1)`` with a recompute-in-backward gradient
+    for any use of the first four (the last two are non-differentiable diagnostics)."""
 
     @staticmethod
     def forward(ctx: Any, hidden, weight, bias, targets, ep, chunk, need_entropy, need_zmean, accum_dtype,
-                weight_consumer=None):
+                weight_consumer=None, need_diagnostics=False):
         ctx.weight_consumer = weight_consumer
         st = head_impl(hidden.device).head_stats(hidden, weight, bias, targets, ep, chunk_size=chunk,
-                          need_entropy=need_entropy, need_zmean=need_zmean)
+                                                 need_entropy=need_entropy, need_zmean=need_zmean,
+                                                 need_sumsq=need_diagnostics, need_top1=need_diagnostics)
         ctx.save_for_backward(hidden, weight, bias, targets, st.lse, st.entropy)
         ctx.cfg = (ep, chunk, accum_dtype, weight.shape[0])
         ctx.set_materialize_grads(False)
         # Outputs not asked for are empty placeholders without gradient.
         outs = [o if o is not None else hidden.new_empty(0, dtype=torch.float32)
-                for o in (st.lse, st.target, st.entropy, st.zmean)]
-        ctx.mark_non_differentiable(*[o for o in outs if o.numel() == 0 and st.lse.numel() != 0])
+                for o in (st.lse, st.target, st.entropy, st.zmean, st.sumsq, st.top1)]
+        ctx.mark_non_differentiable(*[o for o in outs[:4] if o.numel() == 0 and st.lse.numel() != 0], *outs[4:])
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx: Any, g_lse, g_zt, g_ent, g_zmean):
+    def backward(ctx: Any, g_lse, g_zt, g_ent, g_zmean, _g_sumsq=None, _g_top1=None):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         ep, chunk, accum_dtype, vocab = ctx.cfg
         need = ctx.needs_input_grad
         if not (need[0] or need[1] or need[2]):
-            return (None,) * 10
+            return (None,) * 11
         g_ent = g_ent if ent is not None else None
         zero = torch.zeros_like(lse)
         alpha = g_lse.float() if g_lse is not None else zero
@@ -131,7 +133,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
                 hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta, ctx.weight_consumer,
                 need_dx=need[0], need_db=bias is not None and need[2],
             )
-            return dx, None, None, None, None, None, None, None, None, None
+            return dx, None, None, None, None, None, None, None, None, None, None
         dx, dw, db = head_impl(hidden.device).head_backward(
             hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta,
             chunk_size=chunk, need_dx=need[0], need_dw=need[1], need_db=bias is not None and need[2],
@@ -139,7 +141,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
         )
         dw = None if dw is None else dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -289,7 +291,8 @@ def linear_cross_entropy(
     n_valid = tv.numel()
 
     if reduction == "none":
-        lse, zt, _, zmean = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunk, False, label_smoothing > 0, acc)
+        lse, zt, _, zmean, _, _ = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunk, False,
+                                                          label_smoothing > 0, acc)
         ce = _ce_from_stats(lse, zt, zmean, label_smoothing, z_loss)
         if idx is None:
             return ce.reshape(lead)
@@ -304,8 +307,8 @@ def linear_cross_entropy(
     if n_valid == 0:
         return (hv.sum() * 0.0 + weight.sum() * 0.0).float() / denom
     if not grad_in_forward or weight_grad_consumer is not None:
-        lse, zt, _, zmean = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunk, False, label_smoothing > 0, acc,
-                                                    weight_grad_consumer)
+        lse, zt, _, zmean, _, _ = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunk, False,
+                                                          label_smoothing > 0, acc, weight_grad_consumer)
         total = _ce_from_stats(lse, zt, zmean, label_smoothing, z_loss).sum()
         return total / (denom.to(total.device) if isinstance(denom, Tensor) else float(denom))
     if isinstance(denom, Tensor):
@@ -346,12 +349,15 @@ def linear_logprobs(
     ignore_index: int | None = -100,
     chunk_size: int | None = None,
     accum_dtype: torch.dtype | None = None,
+    diagnostics: dict | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token ``log softmax(z)[token]`` (and entropy of ``softmax(z)``) with ``z = epilogue(hidden @ weight.T
     + bias) / temperature``, in chunks, differentiable with respect to hidden, weight and bias.
 
     Positions whose id equals ``ignore_index`` get log-prob 0 (and entropy 0) and cost nothing; pass
-    ``ignore_index=None`` to score every position.
+    ``ignore_index=None`` to score every position. Pass a dict as ``diagnostics`` to also receive, from the same
+    pass and without gradient, ``mean_logits``, ``log_sum_sq_probs`` (log Σ p²) and ``is_top1`` (the token is the
+    first argmax) per position.
 
     Returns:
         ``logp`` ``[...]`` fp32, or ``(logp, entropy)`` if ``return_entropy``.
@@ -371,7 +377,9 @@ def linear_logprobs(
     _check_vocab_ids(tv, weight.shape[0], "token_ids")
     ep = K.Epilogue.make(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
     chunk = chunk_size or K.default_chunk_size(max(tv.numel(), 1), weight.shape[1], weight.shape[0])
-    lse, zt, ent, _ = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunk, return_entropy, False, acc)
+    diag = diagnostics is not None
+    lse, zt, ent, zmean, sumsq, top1 = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunk, return_entropy, diag,
+                                                               acc, None, diag)
     logp = zt - lse
 
     def scatter(v: Tensor) -> Tensor:
@@ -379,4 +387,7 @@ def linear_logprobs(
             return v.reshape(lead)
         return torch.zeros(ids.numel(), dtype=v.dtype, device=v.device).index_put((idx,), v).reshape(lead)
 
+    if diag:
+        diagnostics.update(mean_logits=scatter(zmean.detach()), log_sum_sq_probs=scatter(sumsq.log()),
+                           is_top1=scatter(top1))
     return (scatter(logp), scatter(ent)) if return_entropy else scatter(logp)

@@ -17,7 +17,7 @@ import torch
 
 from memgrad_hf.functional import linear_logprobs
 
-SUPPORTED_OUTPUTS = ("log_probs", "entropy")
+SUPPORTED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 def _logit_rewrite(text_config: Any) -> tuple[float | None, float]:
@@ -66,6 +66,7 @@ def add_fused_lm_head(
     text_config = model.config.get_text_config()
     softcap, scale = _logit_rewrite(text_config)
     want_entropy = "entropy" in outputs
+    want_diag = [o for o in ("log_sum_sq_probs", "mean_logits", "is_top1") if o in outputs]
 
     @functools.wraps(type(model).forward)
     def forward(self: Any, *args: Any, fused_lm_head: bool = False, labels: Any = None, shift_labels: Any = None,
@@ -94,10 +95,13 @@ def add_fused_lm_head(
         if cast_lm_head_to_fp32:
             weight = weight.float()
             bias = None if bias is None else bias.float()
+        diag: dict | None = {} if want_diag else None
         with ctx:
             res = linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
-                                  logit_scale=scale, return_entropy=want_entropy, ignore_index=-100)
+                                  logit_scale=scale, return_entropy=want_entropy, ignore_index=-100,
+                                  diagnostics=diag)
         log_probs, entropy = res if want_entropy else (res, None)
+        extra = {k: (diag[k] if k in want_diag else None) for k in ("log_sum_sq_probs", "mean_logits", "is_top1")}
         denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = -log_probs.sum() / denom
         aux_loss = None
@@ -107,8 +111,8 @@ def add_fused_lm_head(
             aux_loss = load_balancing_loss_func(body.router_logits, text_config.num_experts,
                                                 text_config.num_experts_per_tok, kwargs.get("attention_mask"))
             loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
-        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=None,
-                                   mean_logits=None, is_top1=None, label_mask=mask, aux_loss=aux_loss)
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss,
+                                   **extra)
 
     model.forward = types.MethodType(forward, model)
 

@@ -89,10 +89,12 @@ class Stats:
     target: Tensor  # z_t (0 where the target is ignored)
     entropy: Tensor | None = None  # H = lse - Σ_j p_j z_j
     zmean: Tensor | None = None  # mean_j z_j (label smoothing)
+    sumsq: Tensor | None = None  # Σ_j p_j²
+    top1: Tensor | None = None  # the target is the (first) argmax
 
 
-def _softmax_(z: Tensor) -> tuple[Tensor, Tensor]:
-    """Softmax of ``z`` in place (one fused vectorized kernel) and its ``lse``.
+def _softmax_(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Softmax of ``z`` in place (one fused vectorized kernel), its ``lse`` and the argmax.
 
     ``lse = max - log p[argmax]``: ``p[argmax] >= 1/V`` never underflows, so this is as exact as a separate
     log-sum-exp pass, at the cost of one max/argmax read instead of three more passes over the chunk.
@@ -100,16 +102,22 @@ def _softmax_(z: Tensor) -> tuple[Tensor, Tensor]:
     m, idx = z.max(1)
     torch.ops.aten._softmax.out(z, 1, False, out=z)
     lse = m - z.gather(1, idx[:, None]).squeeze(1).log()
-    return z, lse
+    return z, lse, idx
 
 
-def _stats_of_chunk(z: Tensor, t: Tensor, need_entropy: bool, need_zmean: bool) -> tuple[Tensor, ...]:
-    """Consumes ``z`` (overwritten). ``t`` holds valid indices only (ignored targets clamped to 0)."""
-    zt = z.gather(1, t[:, None]).squeeze(1)
-    zmean = z.mean(1) if need_zmean else None
-    p, lse = _softmax_(z)
-    ent = -torch.special.xlogy(p, p, out=p).sum(1) if need_entropy else None  # H = -Σ p log p
-    return lse, zt, ent, zmean
+def _stats_of_chunk(z: Tensor, t: Tensor, want: frozenset[str]) -> dict[str, Tensor]:
+    """Consumes ``z`` (overwritten). ``t`` holds valid indices only. ``want`` ⊆ {entropy, zmean, sumsq, top1}."""
+    out = {"target": z.gather(1, t[:, None]).squeeze(1)}
+    if "zmean" in want:
+        out["zmean"] = z.mean(1)
+    p, out["lse"], idx = _softmax_(z)
+    if "top1" in want:
+        out["top1"] = idx == t
+    if "sumsq" in want:
+        out["sumsq"] = torch.linalg.vector_norm(p, dim=1).square()
+    if "entropy" in want:
+        out["entropy"] = -torch.special.xlogy(p, p, out=p).sum(1)  # H = -Σ p log p (consumes p)
+    return out
 
 
 def _cap_derivative(z: Tensor, ep: Epilogue) -> Tensor | None:
@@ -232,27 +240,26 @@ def head_stats(
     chunk_size: int,
     need_entropy: bool = False,
     need_zmean: bool = False,
+    need_sumsq: bool = False,
+    need_top1: bool = False,
 ) -> Stats:
-    """Per-token ``lse``, target logit (and optionally entropy, mean logit) of ``z = ep(hidden Wᵀ + b)``.
-
-    ``hidden`` is ``[N, D]``, ``targets`` ``[N]`` with every index valid (callers compact ignored tokens away).
-    """
+    """Per-token ``lse``, target logit and optionally entropy, mean logit, ``Σ p²`` and target-is-argmax of
+    ``z = ep(hidden Wᵀ + b)``. ``hidden`` is ``[N, D]``, ``targets`` ``[N]`` with every index valid (callers
+    compact ignored tokens away)."""
     n = hidden.shape[0]
+    flags = {"entropy": need_entropy, "zmean": need_zmean, "sumsq": need_sumsq, "top1": need_top1}
+    want = frozenset(k for k, v in flags.items() if v)
     f32 = dict(dtype=torch.float32, device=hidden.device)
-    lse, zt = torch.empty(n, **f32), torch.empty(n, **f32)
-    ent = torch.empty(n, **f32) if need_entropy else None
-    zmean = torch.empty(n, **f32) if need_zmean else None
+    res = {k: torch.empty(n, **f32) for k in ("lse", "target", *sorted(want - {"top1"}))}
+    if need_top1:
+        res["top1"] = torch.empty(n, dtype=torch.bool, device=hidden.device)
     buf = _buffer(n, chunk_size, weight.shape[0], hidden.device)
     for s in range(0, n, chunk_size):
         e = min(s + chunk_size, n)
         z = _chunk_logits(hidden[s:e], weight, bias, ep, buf)
-        c_lse, c_zt, c_ent, c_zm = _stats_of_chunk(z, targets[s:e], need_entropy, need_zmean)
-        lse[s:e], zt[s:e] = c_lse, c_zt
-        if ent is not None:
-            ent[s:e] = c_ent
-        if zmean is not None:
-            zmean[s:e] = c_zm
-    return Stats(lse=lse, target=zt, entropy=ent, zmean=zmean)
+        for k, v in _stats_of_chunk(z, targets[s:e], want).items():
+            res[k][s:e] = v
+    return Stats(**res)
 
 
 def head_backward(
@@ -379,7 +386,7 @@ def fused_cross_entropy(
         zt = z.gather(1, t[:, None]).squeeze(1)
         zmean = z.mean(1) if eps else None
         dcap = _cap_derivative(z, ep) if want_grad else None
-        p, lse = _softmax_(z)  # z is consumed
+        p, lse, _ = _softmax_(z)  # z is consumed
         ce = lse - zt
         if eps:
             ce = (1 - eps) * ce + eps * (lse - zmean)

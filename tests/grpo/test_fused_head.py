@@ -22,7 +22,8 @@ def _run(model, ids, labels, **kw):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "granite", "cohere"])
-@pytest.mark.parametrize("outputs", [("log_probs",), ("log_probs", "entropy")])
+@pytest.mark.parametrize("outputs", [("log_probs",), ("log_probs", "entropy"),
+                                     ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")])
 def test_matches_trl_fused_head(family, outputs):
     model = tiny_model(family).train()
     ref = copy.deepcopy(model)
@@ -38,6 +39,11 @@ def test_matches_trl_fused_head(family, outputs):
     assert torch.allclose(a.loss, b.loss, rtol=1e-5)
     if "entropy" in outputs:
         assert torch.allclose(a.entropy, b.entropy, rtol=1e-5, atol=1e-6)
+    for field in ("log_sum_sq_probs", "mean_logits"):
+        if field in outputs:
+            assert torch.allclose(getattr(a, field), getattr(b, field), rtol=1e-5, atol=1e-6), field
+    if "is_top1" in outputs:
+        assert torch.equal(a.is_top1, b.is_top1)
     assert ga.keys() == gb.keys()
     scale = max(g.abs().max().item() for g in gb.values())
     for n in ga:
@@ -60,5 +66,5 @@ def test_shift_labels_and_plain_forward_passthrough():
 
 
 def test_unsupported_outputs_are_refused():
-    with pytest.raises(ValueError, match="is_top1"):
-        add_fused_lm_head(tiny_model("llama"), outputs=("log_probs", "is_top1"))
+    with pytest.raises(ValueError, match="logits"):
+        add_fused_lm_head(tiny_model("llama"), outputs=("log_probs", "logits"))
