@@ -14,7 +14,7 @@ def _reward(completions, **_):
     return [c.count("a") - 0.01 * len(c) for c in completions]
 
 
-def _run(tmp_path, loss_type, patched, via_patch_model=False, beta=0.0, peft=False):
+def _run(tmp_path, loss_type, patched, via_patch_model=False, beta=0.0, peft=False, **extra_args):
     tok = build_char_tokenizer("abc def ghi jkl mno pqr stu vwx yz 0123456789 +-=?")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
@@ -29,7 +29,7 @@ def _run(tmp_path, loss_type, patched, via_patch_model=False, beta=0.0, peft=Fal
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, max_steps=3, learning_rate=1e-3, logging_steps=1, report_to="none",
                       save_strategy="no", bf16=False, gradient_checkpointing=False, seed=0, loss_type=loss_type,
-                      num_iterations=2, use_vllm=False, disable_tqdm=True, beta=beta)
+                      num_iterations=2, use_vllm=False, disable_tqdm=True, beta=beta, **extra_args)
     peft_config = None
     if peft:
         from peft import LoraConfig
@@ -74,6 +74,15 @@ def test_grpo_variants_equal_stock_trl(tmp_path, case):
     ours = _run(tmp_path / "m", "dapo", patched=True, **case)
     assert ours[0] == pytest.approx(stock[0], rel=1e-5, abs=1e-7)
     assert ours[1] == pytest.approx(stock[1], rel=1e-5)
+
+
+def test_grpo_with_forge_adamw_equals_adamw_torch(tmp_path):
+    import memgrad_hf  # noqa: F401  (registers forge_adamw)
+
+    ref = _run(tmp_path / "a", "dapo", patched=True, optim="adamw_torch", max_grad_norm=0.0)
+    ours = _run(tmp_path / "f", "dapo", patched=True, optim="forge_adamw", max_grad_norm=0.0)
+    assert ours[0] == pytest.approx(ref[0], rel=1e-5, abs=1e-7)
+    assert ours[1] == pytest.approx(ref[1], rel=1e-4)  # FORGE logs the real norm it measured in backward
 
 
 def test_patch_trl_swaps_and_restores():
