@@ -1,0 +1,218 @@
+"""``NeuralMemory``: a Titans long-term memory layer whose inner gradient is an exact manual kernel.
+
+Per head, a small MLP ``M`` (see :mod:`memgrad_hf.kernels.titans`) is trained during the forward pass on the
+associative loss ``lr_t * mean_d (M(k_t) - v_t)^2``, chunk by chunk. For chunk ``n`` (``chunk_size`` tokens):
+
+- the queries of chunk ``n`` are answered by ``M_{n-1}`` (the weights after chunks ``0..n-1``: causal);
+- the gradient ``g_n`` is taken at ``M_{n-1}`` (Titans' parallel form within a chunk);
+- momentum ``S_n = eta_n S_{n-1} - g_n`` and forgetting ``M_n = (1 - alpha_n) M_{n-1} + S_n``, with ``eta_n`` and
+  ``alpha_n`` gated per chunk and head from the chunk's mean input.
+
+Processing a sequence in segments of any length gives the same result as in one call: tokens that do not fill a
+chunk wait in the state (:class:`NeuralMemState`) and join the next segment's first chunk. That is what makes
+token-by-token cached generation equal the uncached forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from memgrad_hf.kernels import titans as K
+
+GRAD_IMPLS = ("manual", "autograd", "fan")
+
+
+@dataclass
+class NeuralMemState:
+    """What a memory carries from one segment to the next (per ``batch x heads`` memory).
+
+    ``weights``/``gamma``: the memory after the last complete chunk; ``momentum``: the surprise ``S`` for each of
+    them (``None`` when momentum is off); ``pending``: the per-token store inputs ``(keys, values, lr, eta_logit,
+    alpha_logit)`` of the tokens that have not filled a chunk yet; ``seq_index``: tokens seen so far.
+    """
+
+    weights: tuple[Tensor, ...]
+    gamma: Tensor
+    momentum: tuple[Tensor, ...] | None
+    pending: tuple[Tensor, ...]
+    seq_index: int = 0
+
+    def detach(self) -> NeuralMemState:
+        """The same state cut from the autograd graph (truncated backpropagation across segments)."""
+        det = lambda ts: None if ts is None else tuple(t.detach() for t in ts)
+        return replace(self, weights=det(self.weights), gamma=self.gamma.detach(), momentum=det(self.momentum),
+                       pending=det(self.pending))
+
+
+class NeuralMemory(nn.Module):
+    """Titans neural long-term memory.
+
+    Args:
+        dim: model width of the input and output.
+        heads: independent memories per token; ``dim_head`` their width (default ``dim // heads``).
+        depth: layers of the memory MLP (1-4); ``expansion``: hidden width factor; ``activation``: ``"gelu"``
+            (exact erf) or ``"silu"``.
+        chunk_size: tokens per memory update.
+        momentum / forget: learned momentum ``eta`` and forgetting ``alpha`` gates (off: ``eta=0``, ``alpha=0``).
+        grad_impl: ``"manual"`` (exact hand-written kernel), ``"autograd"`` (the ``torch.func.vmap(grad)``
+            reference, for verification; fails under non-reentrant checkpointing, as titans-pytorch does) or
+            ``"fan"`` (a learned :class:`memgrad_hf.titans.FAN` predicts the gradient; needs ``fan=True``).
+        max_lr: the per-token learning rate is ``max_lr * sigmoid(w . x)``.
+        fan: create a :class:`~memgrad_hf.titans.FAN` (trained by distillation against the exact gradient).
+
+    ``forward(x, state=None)`` takes ``x`` of shape ``(batch, tokens, dim)`` and returns ``(retrieved, state)``;
+    ``state=None`` starts from the learned initial memory. ``exact_grad_calls`` counts exact inner-gradient kernel
+    calls (chunks x calls).
+
+    Example::
+
+        mem = NeuralMemory(512, heads=8, chunk_size=64)
+        y, state = mem(x[:, :1000])            # segments of any length
+        y2, state = mem(x[:, 1000:], state)    # == the second part of mem(x)[0]
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        heads: int = 1,
+        dim_head: int | None = None,
+        depth: int = 2,
+        expansion: int = 4,
+        activation: str = "gelu",
+        chunk_size: int = 64,
+        momentum: bool = True,
+        forget: bool = True,
+        grad_impl: str = "manual",
+        max_lr: float = 0.1,
+        fan: bool = False,
+    ) -> None:
+        super().__init__()
+        if dim_head is None:
+            if dim % heads:
+                raise ValueError(f"NeuralMemory: dim={dim} is not divisible by heads={heads}; pass dim_head.")
+            dim_head = dim // heads
+        if not 1 <= depth <= 4:
+            raise ValueError(f"NeuralMemory: depth={depth}; the memory MLP supports depth 1 to 4.")
+        if activation not in K.ACTIVATIONS:
+            raise ValueError(f"NeuralMemory: activation={activation!r}; use one of {K.ACTIVATIONS}.")
+        if chunk_size < 1 or heads < 1 or expansion < 1:
+            raise ValueError("NeuralMemory: chunk_size, heads and expansion must be positive integers.")
+        self.dim, self.heads, self.dim_head, self.depth = dim, heads, dim_head, depth
+        self.activation, self.chunk_size, self.max_lr = activation, chunk_size, max_lr
+        self.use_momentum, self.use_forget = momentum, forget
+        inner = heads * dim_head
+        self.store_norm = nn.RMSNorm(dim)
+        self.retrieve_norm = nn.RMSNorm(dim)
+        self.to_keys = nn.Linear(dim, inner, bias=False)
+        self.to_values = nn.Linear(dim, inner, bias=False)
+        self.to_queries = nn.Linear(dim, inner, bias=False)
+        # lr, momentum and forget logits per head in one projection (3 x heads outputs).
+        self.to_gates = nn.Linear(dim, 3 * heads)
+        self.to_out = nn.Linear(inner, dim, bias=False)
+        widths = [dim_head] + [dim_head * expansion] * (depth - 1) + [dim_head]
+        self.memory_weights = nn.ParameterList(
+            nn.Parameter(nn.init.xavier_uniform_(torch.empty(widths[i], widths[i + 1]))) for i in range(depth)
+        )
+        self.memory_gamma = nn.Parameter(torch.zeros(dim_head))
+        self.fan = None
+        if fan:
+            from memgrad_hf.titans.fan import FAN
+
+            self.fan = FAN(dim_head, widths[1:])
+        self.exact_grad_calls = 0
+        self.grad_impl = grad_impl  # validated by the setter
+
+    @property
+    def grad_impl(self) -> str:
+        return self._grad_impl
+
+    @grad_impl.setter
+    def grad_impl(self, value: str) -> None:
+        if value not in GRAD_IMPLS:
+            raise ValueError(f"NeuralMemory: grad_impl={value!r}; use one of {GRAD_IMPLS}.")
+        if value == "fan" and self.fan is None:
+            raise ValueError("NeuralMemory: grad_impl='fan' needs a FAN; construct with fan=True.")
+        self._grad_impl = value
+
+    # -- state ----------------------------------------------------------------------------------------------------
+    def initial_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                      ) -> NeuralMemState:
+        """The learned initial memory for ``batch`` sequences (shared weights, not copied per sequence)."""
+        g, dh = batch * self.heads, self.dim_head
+        ref = self.memory_gamma
+        device, dtype = device or ref.device, dtype or ref.dtype
+        empty = lambda *s: torch.zeros(g, 0, *s, device=device, dtype=dtype)
+        pending = (empty(dh), empty(dh), empty(), empty(), empty())
+        mom = None
+        if self.use_momentum:
+            mom = tuple(torch.zeros((), device=device, dtype=dtype) for _ in self.memory_weights)
+            mom = (*mom, torch.zeros((), device=device, dtype=dtype))
+        return NeuralMemState(tuple(self.memory_weights), self.memory_gamma, mom, pending, 0)
+
+    # -- forward --------------------------------------------------------------------------------------------------
+    def _split_heads(self, t: Tensor) -> Tensor:  # (B, T, h*dh) -> (B*h, T, dh)
+        b, n, _ = t.shape
+        return t.view(b, n, self.heads, -1).transpose(1, 2).reshape(b * self.heads, n, -1)
+
+    def _store_inputs(self, x: Tensor) -> tuple[Tensor, ...]:
+        xs = self.store_norm(x)
+        k = F.rms_norm(self._split_heads(self.to_keys(xs)), (self.dim_head,))
+        v = self._split_heads(self.to_values(xs))
+        gates = self._split_heads(self.to_gates(xs))  # (G, T, 3)
+        lr = torch.sigmoid(gates[..., 0]) * self.max_lr
+        return k, v, lr, gates[..., 1], gates[..., 2]
+
+    def _inner_step(self, weights, gamma, k, v, lr, q):
+        if self._grad_impl == "fan":
+            return self.fan.memory_step(weights, gamma, k, v, lr, q, self.activation)
+        self.exact_grad_calls += 1
+        step = K.memory_step if self._grad_impl == "manual" else K.memory_step_autograd
+        grads, dgamma, retrieved, _ = step(list(weights), gamma, k, v, lr, q, self.activation)
+        if self.fan is not None and self.fan.distilling and self.training:
+            self.fan.observe(weights, gamma, k, v, lr, grads, self.activation)
+        return grads, dgamma, retrieved
+
+    def forward(self, x: Tensor, state: NeuralMemState | None = None) -> tuple[Tensor, NeuralMemState]:
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"NeuralMemory: expected x of shape (batch, tokens, {self.dim}); got {tuple(x.shape)}.")
+        b, t, _ = x.shape
+        if state is None:
+            state = self.initial_state(b, x.device, x.dtype)
+        q = F.rms_norm(self._split_heads(self.to_queries(self.retrieve_norm(x))), (self.dim_head,))
+        new = self._store_inputs(x)
+        k, v, lr, eta_logit, alpha_logit = (torch.cat([p, n], dim=1) for p, n in zip(state.pending, new, strict=True))
+        r, c = state.pending[0].shape[1], self.chunk_size
+        n_full = k.shape[1] // c
+        # Queries aligned with the combined (pending + new) stream; the r pending tokens were answered before.
+        q = F.pad(q, (0, 0, r, 0))
+        weights, gamma, mom = state.weights, state.gamma, state.momentum
+        outs = []
+        for n in range(n_full):
+            s = slice(n * c, (n + 1) * c)
+            grads, dgamma, retrieved = self._inner_step(weights, gamma, k[:, s], v[:, s], lr[:, s], q[:, s])
+            outs.append(retrieved)
+            surprise = [-g for g in (*grads, dgamma)]
+            if mom is not None:
+                eta = torch.sigmoid(eta_logit[:, s].mean(1))
+                surprise = [eta.view(-1, *[1] * (u.dim() - 1)) * m + u for m, u in zip(mom, surprise, strict=True)]
+                mom = tuple(surprise)
+            old = (*weights, gamma)
+            if self.use_forget:
+                keep = 1 - torch.sigmoid(alpha_logit[:, s].mean(1))
+                new_params = [keep.view(-1, *[1] * (u.dim() - 1)) * w + u for w, u in zip(old, surprise, strict=True)]
+            else:
+                new_params = [w + u for w, u in zip(old, surprise, strict=True)]
+            weights, gamma = tuple(new_params[:-1]), new_params[-1]
+        tail = slice(n_full * c, None)
+        if k.shape[1] > n_full * c:
+            outs.append(K.memory_forward(list(weights), gamma, q[:, tail], self.activation))
+        y = torch.cat(outs, dim=1)[:, r:] if outs else q[:, r:]
+        y = y.reshape(b, self.heads, t, self.dim_head).transpose(1, 2).reshape(b, t, -1)
+        pending = tuple(p[:, tail] for p in (k, v, lr, eta_logit, alpha_logit))
+        new_state = NeuralMemState(weights, gamma, mom, pending, state.seq_index + t)
+        return self.to_out(y), new_state
