@@ -1,5 +1,6 @@
 """``TrainerCallback``s shipped with memgrad_hf."""
 
 from memgrad_hf.callbacks.memory import MemoryReportCallback
+from memgrad_hf.callbacks.titans import FANDistillationCallback
 
-__all__ = ["MemoryReportCallback"]
+__all__ = ["FANDistillationCallback", "MemoryReportCallback"]

@@ -50,3 +50,17 @@ def head_impl(device: torch.device | str | None = None):
             "'torch'."
         )
     return head
+
+
+def titans_step_impl(device: torch.device | str | None = None):
+    """The Titans ``memory_step`` for tensors on ``device``: the Triton twin
+    (:func:`memgrad_hf.kernels.titans_triton.memory_step`, Triton forward, torch-twin backward) where
+    :func:`backend` says ``"triton"``, else the torch one (:func:`memgrad_hf.kernels.titans.memory_step`).
+
+    Both have the same signature and return values. Imported lazily so CPU-only installs never import Triton.
+    """
+    if backend(device) == "triton":
+        from memgrad_hf.kernels.titans_triton import memory_step
+    else:
+        from memgrad_hf.kernels.titans import memory_step
+    return memory_step

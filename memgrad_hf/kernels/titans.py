@@ -40,23 +40,31 @@ def _batched(w: Tensor, g: int) -> Tensor:
     return w if w.dim() == 3 else w.expand(g, *w.shape)
 
 
-def mlp_forward(weights: list[Tensor], x: Tensor, activation: str) -> tuple[Tensor, list[Tensor]]:
-    """``MLP(x)`` and the pre-activations ``Z_0..Z_{L-2}`` (what the backward needs besides ``x``)."""
+def _mlp(weights: list[Tensor], x: Tensor, activation: str) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """``MLP(x)``, the pre-activations ``Z_0..Z_{L-2}`` and each layer's input ``A_0 = x, A_1..A_{L-1}``."""
     zs: list[Tensor] = []
+    acts: list[Tensor] = [x]
     h = x
     for i, w in enumerate(weights):
         if i > 0:
             zs.append(h)
             h = _act(h, activation)
+            acts.append(h)
         h = torch.matmul(h, w)  # a shared 2-D weight becomes one GEMM over all memories
-    return h, zs
+    return h, zs, acts
+
+
+def mlp_forward(weights: list[Tensor], x: Tensor, activation: str) -> tuple[Tensor, list[Tensor]]:
+    """``MLP(x)`` and the pre-activations ``Z_0..Z_{L-2}`` (what the backward needs besides ``x``)."""
+    m, zs, _ = _mlp(weights, x, activation)
+    return m, zs
 
 
 def memory_forward(weights: list[Tensor], gamma: Tensor, x: Tensor, activation: str) -> Tensor:
     """``M(x) = LN(MLP(x)) * (gamma + 1) + x`` for ``x`` of shape ``(G, T, D)``."""
-    m, _ = mlp_forward(weights, x, activation)
+    m, _, _ = _mlp(weights, x, activation)
     g = gamma if gamma.dim() == 1 else gamma[:, None, :]
-    return F.layer_norm(m, m.shape[-1:], eps=LN_EPS) * (g + 1) + x
+    return torch.addcmul(x, F.layer_norm(m, m.shape[-1:], eps=LN_EPS), g + 1)
 
 
 def memory_step(
@@ -75,7 +83,7 @@ def memory_step(
         gamma: LayerNorm gain offset, ``(G, D)`` or ``(D,)``.
         keys, values: ``(G, C, D)``.
         lr: per-token loss weights (the adaptive learning rate), ``(G, C)``.
-        queries: ``(G, Cq, D)`` to retrieve with the same weights (one shared forward), or ``None``.
+        queries: ``(G, Cq, D)`` to retrieve with the same weights, or ``None``.
         activation: ``"gelu"`` (exact erf) or ``"silu"``.
 
     Returns:
@@ -87,30 +95,25 @@ def memory_step(
 
         grads, dgamma, retrieved, _ = memory_step([w0, w1], gamma, k, v, lr, queries=q)
     """
-    G, C, D = keys.shape
-    x = keys if queries is None else torch.cat([keys, queries], dim=1)  # one forward for store and retrieve
-    m, zs = mlp_forward(weights, x, activation)
+    D = keys.shape[-1]
+    # Keys and queries go through the MLP separately: concatenating them would cost a copy of both, slices of every
+    # intermediate, and a zero-filled buffer per slice in the backward -- more than the larger GEMM saves.
+    m, zs, acts = _mlp(weights, keys, activation)
     h, mean, rstd = torch.ops.aten.native_layer_norm(m, [D], None, None, LN_EPS)
     g1 = (gamma if gamma.dim() == 1 else gamma[:, None, :]) + 1
-    y = h * g1 + x
-    retrieved = None if queries is None else y[:, C:]
-    y, h, m = y[:, :C], h[:, :C], m[:, :C]
-    diff = y - values
+    diff = torch.addcmul(keys - values, h, g1)  # M(k) - v
     token_loss = diff.pow(2).mean(-1)
     dy = diff * (lr * (2.0 / D))[..., None]
     dgamma = (dy * h).sum(1)
-    # LayerNorm backward (input grad only) from the forward's statistics; the aten kernel needs contiguous inputs.
-    if queries is not None:
-        m, mean, rstd = m.contiguous(), mean[:, :C].contiguous(), rstd[:, :C].contiguous()
+    # LayerNorm backward (input grad only) from the forward's statistics.
     dm = torch.ops.aten.native_layer_norm_backward(dy * g1, m, [D], mean, rstd, None, None, [True, False, False])[0]
     grads: list[Tensor] = [None] * len(weights)  # type: ignore[list-item]
     gi = dm
     for i in range(len(weights) - 1, -1, -1):
-        a = x[:, :C] if i == 0 else _act(zs[i - 1][:, :C], activation)
-        grads[i] = torch.bmm(a.transpose(1, 2), gi)
-        if i > 0:
-            gi = _act_backward(torch.matmul(gi, _batched(weights[i], G).transpose(1, 2)), zs[i - 1][:, :C],
-                               activation)
+        grads[i] = torch.bmm(acts[i].transpose(1, 2), gi)
+        if i > 0:  # a shared 2-D weight: one GEMM over all memories, no expanded copy
+            gi = _act_backward(torch.matmul(gi, weights[i].transpose(-1, -2)), zs[i - 1], activation)
+    retrieved = None if queries is None else memory_forward(weights, gamma, queries, activation)
     return grads, dgamma, retrieved, token_loss
 
 

@@ -38,7 +38,9 @@ def patch_model(
             built; the loss and every gradient equal HF's. ``outputs.logits`` is ``None`` for those calls;
             ``model.eval()`` forwards and ``generate`` are unchanged. Pass ``skip_logits=True/False`` to a forward
             to force the choice.
-        titans: a :class:`memgrad_hf.titans.TitansConfig` to add neural-memory layers.
+        titans: a :class:`memgrad_hf.titans.TitansConfig`: adds a gated Titans memory branch to the chosen decoder
+            layers (outputs identical at step 0; memory state follows the KV cache in ``generate``; saved by
+            ``save_pretrained``, loaded by :func:`memgrad_hf.titans.from_pretrained`).
         chunk_size: tokens per head chunk (default: automatic).
         accum_dtype: head weight-gradient accumulator dtype (default fp32; the weight's dtype saves memory).
 
@@ -56,21 +58,21 @@ def patch_model(
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"patch_model expects a torch.nn.Module; got {type(model).__name__}.")
     target = _causal_lm(model)
-    if head:
-        patch_head(target, chunk_size=chunk_size, accum_dtype=accum_dtype)
-        if "trl" in sys.modules:  # TRL trainers already imported: their fused head becomes memgrad's for this model
-            from memgrad_hf.grpo.fused_head import route_patched_models
+    if titans is not None:  # first: a bad Titans argument raises before anything is changed
+        from memgrad_hf.patches.titans import inject_titans, remove_titans
 
-            route_patched_models()
-    if titans is not None:
-        try:
-            from memgrad_hf.patches.titans import inject_titans
-        except ImportError as e:
-            raise ValueError(
-                "titans=...: Titans memory layers are not part of this memgrad_hf release yet; call "
-                "patch_model(model) without titans."
-            ) from e
         inject_titans(target, titans)
+    try:
+        if head:
+            patch_head(target, chunk_size=chunk_size, accum_dtype=accum_dtype)
+    except BaseException:
+        if titans is not None:
+            remove_titans(target)
+        raise
+    if head and "trl" in sys.modules:  # TRL trainers imported: their fused head becomes memgrad's for this model
+        from memgrad_hf.grpo.fused_head import route_patched_models
+
+        route_patched_models()
     return model
 
 
@@ -78,12 +80,9 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo :func:`patch_model` exactly; a model that was never patched is returned unchanged."""
     target = _causal_lm(model)
     unpatch_head(target)
-    try:
-        from memgrad_hf.patches.titans import remove_titans
-    except ImportError:
-        pass
-    else:
-        remove_titans(target)
+    from memgrad_hf.patches.titans import remove_titans
+
+    remove_titans(target)
     return model
 
 

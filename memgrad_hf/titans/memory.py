@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memgrad_hf.kernels import titans as K
+from memgrad_hf.kernels import titans_step_impl
 
 GRAD_IMPLS = ("manual", "autograd", "fan")
 
@@ -46,6 +47,11 @@ class NeuralMemState:
         det = lambda ts: None if ts is None else tuple(t.detach() for t in ts)
         return replace(self, weights=det(self.weights), gamma=self.gamma.detach(), momentum=det(self.momentum),
                        pending=det(self.pending))
+
+
+def _bcast(gate: Tensor, like: Tensor) -> Tensor:
+    """A per-memory gate ``(G, 1, 1)`` shaped to broadcast against ``like`` (``(G, a, b)`` or ``(G, D)``)."""
+    return gate if like.dim() == 3 else gate[..., 0]
 
 
 class NeuralMemory(nn.Module):
@@ -171,10 +177,11 @@ class NeuralMemory(nn.Module):
         if self._grad_impl == "fan":
             return self.fan.memory_step(weights, gamma, k, v, lr, q, self.activation)
         self.exact_grad_calls += 1
-        step = K.memory_step if self._grad_impl == "manual" else K.memory_step_autograd
+        step = titans_step_impl(k.device) if self._grad_impl == "manual" else K.memory_step_autograd
         grads, dgamma, retrieved, _ = step(list(weights), gamma, k, v, lr, q, self.activation)
-        if self.fan is not None and self.fan.distilling and self.training:
-            self.fan.observe(weights, gamma, k, v, lr, grads, self.activation)
+        if self.fan is not None and self.fan.distilling and self.training and torch.is_grad_enabled():
+            # The FAN learns from this exact gradient; its loss rides on the retrieval's backward (values unchanged).
+            retrieved = self.fan.observe(weights, gamma, k, v, lr, grads, self.activation, attach_to=retrieved)
         return grads, dgamma, retrieved
 
     def forward(self, x: Tensor, state: NeuralMemState | None = None) -> tuple[Tensor, NeuralMemState]:
@@ -185,34 +192,52 @@ class NeuralMemory(nn.Module):
             state = self.initial_state(b, x.device, x.dtype)
         q = F.rms_norm(self._split_heads(self.to_queries(self.retrieve_norm(x))), (self.dim_head,))
         new = self._store_inputs(x)
-        k, v, lr, eta_logit, alpha_logit = (torch.cat([p, n], dim=1) for p, n in zip(state.pending, new, strict=True))
         r, c = state.pending[0].shape[1], self.chunk_size
-        n_full = k.shape[1] // c
-        # Queries aligned with the combined (pending + new) stream; the r pending tokens were answered before.
-        q = F.pad(q, (0, 0, r, 0))
-        weights, gamma, mom = state.weights, state.gamma, state.momentum
+        if r:  # prepend the tokens still waiting for a full chunk (a copy of each store input: only when needed)
+            new = tuple(torch.cat([p, n], dim=1) for p, n in zip(state.pending, new, strict=True))
+            # Queries aligned with the combined (pending + new) stream; the r pending tokens were answered before.
+            q = F.pad(q, (0, 0, r, 0))
+        k, v, lr, eta_logit, alpha_logit = new
+        n_full = (r + t) // c
+        full = n_full * c
+        # Chunk views from one split per tensor: its backward is one concatenation, where per-chunk slices would each
+        # zero-fill a gradient buffer of the whole sequence (quadratic in the number of chunks).
+        ks, vs, lrs, qs = (z.split(c, dim=1) for z in (k, v, lr, q))
+        # Momentum and forgetting gates of every chunk and head at once, as (G, 1, ..) broadcast views per chunk.
+        etas = keeps = None
+        if self.use_momentum and n_full:
+            etas = torch.sigmoid(eta_logit[:, :full].unflatten(1, (n_full, c)).mean(2))[..., None, None].unbind(1)
+        if self.use_forget and n_full:
+            keeps = (1 - torch.sigmoid(alpha_logit[:, :full].unflatten(1, (n_full, c)).mean(2)))[..., None, None]
+            keeps = keeps.unbind(1)
+        weights, gamma = state.weights, state.gamma
+        # The recurrence runs on P = -S (momentum of the gradient rather than of the surprise): P_n = eta P + g is one
+        # fused op per tensor, and W_n = keep W - P one more; the state carries S, negated back at the end.
+        mom = None if state.momentum is None else tuple(-m for m in state.momentum)
         outs = []
         for n in range(n_full):
-            s = slice(n * c, (n + 1) * c)
-            grads, dgamma, retrieved = self._inner_step(weights, gamma, k[:, s], v[:, s], lr[:, s], q[:, s])
+            grads, dgamma, retrieved = self._inner_step(weights, gamma, ks[n], vs[n], lrs[n], qs[n])
             outs.append(retrieved)
-            surprise = [-g for g in (*grads, dgamma)]
+            step = (*grads, dgamma)
             if mom is not None:
-                eta = torch.sigmoid(eta_logit[:, s].mean(1))
-                surprise = [eta.view(-1, *[1] * (u.dim() - 1)) * m + u for m, u in zip(mom, surprise, strict=True)]
-                mom = tuple(surprise)
+                e = etas[n]
+                step = mom = tuple(torch.addcmul(g, _bcast(e, g), p) for g, p in zip(step, mom, strict=True))
             old = (*weights, gamma)
-            if self.use_forget:
-                keep = 1 - torch.sigmoid(alpha_logit[:, s].mean(1))
-                new_params = [keep.view(-1, *[1] * (u.dim() - 1)) * w + u for w, u in zip(old, surprise, strict=True)]
+            if keeps is not None:
+                kp = keeps[n]
+                new_params = [torch.sub(_bcast(kp, u) * w, u) for w, u in zip(old, step, strict=True)]
             else:
-                new_params = [w + u for w, u in zip(old, surprise, strict=True)]
+                new_params = [w - u for w, u in zip(old, step, strict=True)]
             weights, gamma = tuple(new_params[:-1]), new_params[-1]
-        tail = slice(n_full * c, None)
-        if k.shape[1] > n_full * c:
-            outs.append(K.memory_forward(list(weights), gamma, q[:, tail], self.activation))
-        y = torch.cat(outs, dim=1)[:, r:] if outs else q[:, r:]
-        y = y.reshape(b, self.heads, t, self.dim_head).transpose(1, 2).reshape(b, t, -1)
-        pending = tuple(p[:, tail] for p in (k, v, lr, eta_logit, alpha_logit))
+        if r + t > full:
+            outs.append(K.memory_forward(list(weights), gamma, qs[n_full], self.activation))
+        if outs:
+            # One copy straight into (batch, tokens, heads, dim_head) order, not a concatenation plus a transpose.
+            y = torch.cat([o.unflatten(0, (b, self.heads)).transpose(1, 2) for o in outs], dim=1)[:, r:]
+            y = y.reshape(b, t, -1)
+        else:
+            y = q.new_zeros(b, t, self.heads * self.dim_head)
+        pending = tuple(p[:, full:] for p in (k, v, lr, eta_logit, alpha_logit))
+        mom = None if mom is None else tuple(-p for p in mom)
         new_state = NeuralMemState(weights, gamma, mom, pending, state.seq_index + t)
         return self.to_out(y), new_state

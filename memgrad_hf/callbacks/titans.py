@@ -1,0 +1,131 @@
+"""``FANDistillationCallback``: distil every Titans memory's FAN, then switch the memories to the FAN gradient."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import nn
+from transformers import TrainerCallback
+
+from memgrad_hf.titans.memory import NeuralMemory
+
+
+def fan_memories(model: nn.Module) -> list[NeuralMemory]:
+    """Every :class:`NeuralMemory` in ``model`` that has a FAN (``fan=True``)."""
+    return [m for m in model.modules() if isinstance(m, NeuralMemory) and m.fan is not None]
+
+
+class FANDistillationCallback(TrainerCallback):
+    """Trains each memory's :class:`~memgrad_hf.titans.FAN` against the exact inner gradient for the first part of
+    training, then switches every memory to ``grad_impl="fan"``: from then on no exact inner gradient is computed.
+
+    Args:
+        distill_steps: switch when ``state.global_step`` reaches this (optimizer steps).
+        distill_epochs: switch at the end of this epoch (``state.epoch >= distill_epochs``). With both given, the
+            first one reached switches; with neither, the FANs distil for the whole run and never switch.
+        freeze_fan_after: after the switch, stop training the FANs (``requires_grad=False``). Otherwise the outer
+            loss keeps training them through the memory (they become a learned optimizer, no longer distilled).
+
+    Logged in every Trainer log: ``fan_cosine`` (mean over memories of the running cosine between predicted and
+    exact weight gradients; while distilling, and frozen at the switch value afterwards), ``fan_exact_grad_calls``
+    (exact inner-gradient calls summed over memories), ``fan_calls`` (chunks computed with the FAN) and
+    ``fan_mode`` (0 distilling, 1 switched). After the switch :attr:`cosine_at_switch`, :attr:`exact_calls_at_switch`
+    and :attr:`switch_step` hold the values at that moment; :attr:`summary` has everything after training.
+
+    The FAN losses reach the FANs' parameters only, scaled by ``FAN.loss_coef`` (small by default, so that they
+    barely count in the Trainer's global gradient norm); the reported loss and the model's own gradients are
+    unchanged. Under gradient checkpointing the recomputed forward distils again (the counters include recomputes).
+
+    Example::
+
+        from memgrad_hf.callbacks import FANDistillationCallback
+        patch_model(model, titans=TitansConfig(layers=[1], fan=True))
+        cb = FANDistillationCallback(distill_steps=200)
+        Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb]).train()
+        print(cb.cosine_at_switch, cb.exact_calls_at_switch)   # exact_grad_calls never grow after the switch
+    """
+
+    def __init__(self, distill_steps: int | None = None, distill_epochs: float | None = None, *,
+                 freeze_fan_after: bool = True) -> None:
+        if distill_steps is not None and distill_steps < 0:
+            raise ValueError(f"FANDistillationCallback: distill_steps={distill_steps} must be >= 0.")
+        if distill_epochs is not None and distill_epochs < 0:
+            raise ValueError(f"FANDistillationCallback: distill_epochs={distill_epochs} must be >= 0.")
+        self.distill_steps, self.distill_epochs, self.freeze_fan_after = distill_steps, distill_epochs, freeze_fan_after
+        self.memories: list[NeuralMemory] = []
+        self.switched = False
+        self.switch_step: int | None = None
+        self.cosine_at_switch = float("nan")
+        self.exact_calls_at_switch: int | None = None
+        self.summary: dict[str, Any] = {}
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+    def cosine(self) -> float:
+        """Mean running FAN cosine over the memories (nan before any distillation call)."""
+        vals = [c for c in (m.fan.cosine for m in self.memories) if not math.isnan(c)]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    def exact_grad_calls(self) -> int:
+        return sum(m.exact_grad_calls for m in self.memories)
+
+    def fan_calls(self) -> int:
+        return sum(m.fan.calls for m in self.memories)
+
+    def _switch(self, state: Any) -> None:
+        self.cosine_at_switch = self.cosine()
+        self.exact_calls_at_switch = self.exact_grad_calls()
+        self.switch_step = state.global_step
+        for m in self.memories:
+            m.fan.distilling = False
+            m.grad_impl = "fan"
+            if self.freeze_fan_after:
+                m.fan.requires_grad_(False)
+        self.switched = True
+
+    def _metrics(self) -> dict[str, float]:
+        cos = self.cosine_at_switch if self.switched else self.cosine()
+        return {"fan_cosine": round(cos, 4), "fan_exact_grad_calls": self.exact_grad_calls(),
+                "fan_calls": self.fan_calls(), "fan_mode": int(self.switched)}
+
+    # -- Trainer events -------------------------------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                       **kwargs: Any) -> None:
+        if model is None:
+            raise ValueError("FANDistillationCallback: the Trainer passed no model to on_train_begin.")
+        self.memories = fan_memories(model)
+        if not self.memories:
+            raise ValueError("FANDistillationCallback: the model has no NeuralMemory with a FAN; build the memories "
+                             "with fan=True (e.g. patch_model(model, titans=TitansConfig(..., fan=True))).")
+        self.switched = False
+        for m in self.memories:
+            if m.grad_impl == "fan":  # distillation needs the exact gradient as its target
+                m.grad_impl = "manual"
+            m.fan.requires_grad_(True)
+            m.fan.distilling = True
+            m.fan.reset_stats()
+        if self.distill_steps is not None and state.global_step >= self.distill_steps:
+            self._switch(state)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.switched and self.distill_steps is not None and state.global_step >= self.distill_steps:
+            self._switch(state)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.switched and self.distill_epochs is not None and (state.epoch or 0) >= self.distill_epochs - 1e-6:
+            self._switch(state)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        m = self._metrics()
+        if logs is not None:
+            logs.update(m)
+        # The Trainer appended its copy of these logs before calling us; keep log_history complete too.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(m)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for m in self.memories:
+            m.fan.distilling = False  # no FAN training in later evaluation or generation
+        self.summary = {**self._metrics(), "switched": self.switched, "switch_step": self.switch_step,
+                        "cosine_at_switch": self.cosine_at_switch, "exact_calls_at_switch": self.exact_calls_at_switch,
+                        "cosine_per_memory": [m.fan.cosine for m in self.memories]}

@@ -1,0 +1,467 @@
+"""Titans injection: a gated neural-memory branch on chosen decoder layers of any transformers decoder.
+
+How it works (no decoder layer is replaced, so the original weights keep their ``state_dict`` keys):
+
+1. The decoder-layer list is found generically (:func:`find_decoder_layers`).
+2. Each chosen layer gets a submodule ``layer.titans_memory`` (a :class:`~memgrad_hf.titans.GatedMemoryBranch`) and
+   an instance ``forward`` that returns ``original(x, ...) + sigmoid(W_g x) * W_o NeuralMemory(x)``; ``x`` is the
+   layer's input hidden states. ``W_o`` starts at zero: at step 0 the patched model computes what the original does.
+   Layers returning a tensor (llama, mistral, qwen2/3 in transformers 5) or a tuple (the sum goes to element 0) work.
+3. Memory state. Without a KV cache every forward starts from the learned initial memory (one sequence per call).
+   With a transformers ``Cache`` (``past_key_values``) the per-layer :class:`~memgrad_hf.titans.NeuralMemState`
+   lives on the cache object: it starts afresh when the cache holds no tokens for the layer (a new sequence) and
+   continues otherwise, so feeding a sequence in segments, and cached ``generate()``, equal one uncached forward.
+   Beam search (``reorder_cache``) and batch expansion/selection move the memory state with the KV cache; cropping
+   a cache (assisted/speculative decoding) raises, since the memory cannot be rolled back.
+4. Gradient checkpointing. transformers checkpoints a ``GradientCheckpointingLayer`` inside its class ``forward``;
+   the memory branch is checkpointed with the same function (``layer._gradient_checkpointing_func``, so reentrant,
+   non-reentrant and offload settings apply) and recomputed in backward like the layer itself.
+5. ``model.config.memgrad_titans`` records the :class:`~memgrad_hf.titans.TitansConfig` (saved in ``config.json``);
+   the branch parameters are saved by ``save_pretrained`` under ``<layers>.<i>.titans_memory.*``.
+   :mod:`memgrad_hf.titans.io` loads them back.
+
+Limits (documented, not detected): left padding and packed sequences feed pad tokens / other documents into the
+memory (``NeuralMemory`` has no store mask yet), so batched generation should use equal-length prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from memgrad_hf.errors import UnsupportedModelError
+from memgrad_hf.titans.branch import GatedMemoryBranch
+from memgrad_hf.titans.config import TitansConfig
+from memgrad_hf.titans.memory import NeuralMemory, NeuralMemState
+
+BRANCH_ATTR = "titans_memory"  # the submodule name on a patched layer (and in state_dict keys)
+CONFIG_ATTR = "memgrad_titans"  # model.config attribute holding TitansConfig.to_dict()
+_MODEL_ATTR = "_memgrad_titans"
+_LAYER_ATTR = "_memgrad_titans_layer"
+_CACHE_ATTR = "_memgrad_titans_states"
+_CACHE_NAMES = ("past_key_values", "past_key_value", "layer_past")
+
+
+@dataclass
+class TitansPatch:
+    """Bookkeeping stored on a patched model (``model._memgrad_titans``)."""
+
+    config: TitansConfig  # with absolute layer indices
+    layers_path: str  # e.g. "model.layers"
+    had_config_attr: bool
+    previous_config_value: Any
+
+
+@dataclass
+class _LayerInfo:
+    """Bookkeeping stored on a patched layer."""
+
+    index: int  # position in the decoder-layer list (key of the memory state on a cache)
+    cache_index: int  # the layer index the KV cache uses for this layer
+    had_instance_forward: bool
+    previous_forward: Any
+    cache_pos: int | None  # its positional index (self excluded), if it can be passed positionally
+
+
+@dataclass
+class _CachedState:
+    state: NeuralMemState | None
+    heads: int
+
+
+# ------------------------------------------------------------------------------------------ finding the layers
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder-layer list of a transformers model: ``(qualified name, nn.ModuleList)``.
+
+    Looks for an ``nn.ModuleList`` whose elements are transformers ``GradientCheckpointingLayer``s or belong to a
+    class named in ``model._no_split_modules``; with several, prefers the one with ``num_hidden_layers`` elements
+    outside vision/audio towers.
+
+    Example::
+
+        name, layers = find_decoder_layers(model)   # ("model.layers", ModuleList(...)) for Llama
+
+    Raises:
+        UnsupportedModelError: no such list, or several that cannot be told apart.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    candidates: list[tuple[str, nn.ModuleList]] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) == 0 or f".{BRANCH_ATTR}." in f".{name}.":
+            continue
+        if all(isinstance(m, GradientCheckpointingLayer) or type(m).__name__ in no_split for m in mod):
+            candidates.append((name, mod))
+    owner = type(model).__name__
+    if not candidates:
+        raise UnsupportedModelError(
+            f"patch_model(titans=...): found no decoder-layer list in {owner}: Titans injection needs an "
+            "nn.ModuleList of decoder layers (transformers GradientCheckpointingLayer subclasses, or classes named in "
+            f"{owner}._no_split_modules = {sorted(no_split)})."
+        )
+    if len(candidates) > 1:
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n = getattr(text, "num_hidden_layers", None)
+        towers = ("vision", "visual", "audio", "encoder", "image", "speech")
+        narrowed = [c for c in candidates if len(c[1]) == n and not any(t in c[0].lower() for t in towers)]
+        if len(narrowed) != 1:
+            raise UnsupportedModelError(
+                f"patch_model(titans=...): {owner} has several decoder-layer lists "
+                f"({', '.join(c[0] for c in candidates)}); cannot tell which is the language decoder."
+            )
+        candidates = narrowed
+    return candidates[0]
+
+
+def _cache_layer_index(layer: nn.Module, default: int) -> int:
+    for m in layer.modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int) and not isinstance(idx, bool):
+            return idx
+    return default
+
+
+def _cache_position_arg(forward: Any) -> int | None:
+    """The positional index of the forward's cache argument (``past_key_values`` & co.), if it has one."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for pos, p in enumerate(params):
+        if p.name in _CACHE_NAMES:
+            return pos if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else None
+    return None
+
+
+def _hidden_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "hidden_size", None)
+    if not isinstance(size, int):
+        raise UnsupportedModelError(
+            f"patch_model(titans=...): cannot read the hidden size of {type(model).__name__} (config.hidden_size)."
+        )
+    return size
+
+
+# ------------------------------------------------------------------------------------------ memory state on a cache
+
+
+def _select_batch(state: NeuralMemState, heads: int, batch_index: Tensor) -> NeuralMemState:
+    """The state of the sequences ``batch_index`` (states are laid out ``batch x heads`` along dim 0)."""
+    ref = state.pending[0]
+    idx = batch_index.to(ref.device).long()
+    g_idx = (idx[:, None] * heads + torch.arange(heads, device=ref.device)).reshape(-1)
+    pick = lambda t: t.index_select(0, g_idx)
+    weights = tuple(pick(w) if w.dim() == 3 else w for w in state.weights)
+    gamma = pick(state.gamma) if state.gamma.dim() == 2 else state.gamma
+    momentum = None if state.momentum is None else tuple(pick(m) if m.dim() >= 1 else m for m in state.momentum)
+    pending = tuple(pick(p) for p in state.pending)
+    return dataclasses.replace(state, weights=weights, gamma=gamma, momentum=momentum, pending=pending)
+
+
+def _map_states(cache: Any, fn: Any) -> None:
+    for entry in getattr(cache, _CACHE_ATTR, {}).values():
+        if entry.state is not None:
+            entry.state = fn(entry)
+
+
+def _cache_reorder_cache(self: Any, beam_idx: Tensor) -> Any:
+    _map_states(self, lambda e: _select_batch(e.state, e.heads, beam_idx))
+    return type(self).reorder_cache(self, beam_idx)
+
+
+def _cache_batch_select_indices(self: Any, indices: Tensor) -> Any:
+    _map_states(self, lambda e: _select_batch(e.state, e.heads, indices))
+    return type(self).batch_select_indices(self, indices)
+
+
+def _cache_batch_repeat_interleave(self: Any, repeats: int) -> Any:
+    def repeat(e: _CachedState) -> NeuralMemState:
+        batch = e.state.pending[0].shape[0] // e.heads
+        return _select_batch(e.state, e.heads, torch.arange(batch).repeat_interleave(repeats))
+
+    _map_states(self, repeat)
+    return type(self).batch_repeat_interleave(self, repeats)
+
+
+def _cache_crop(self: Any, *args: Any, **kwargs: Any) -> Any:
+    tokens = args[0] if args else kwargs.get("tokens_to_remove", kwargs.get("max_length", 0))
+    if tokens != 0 and any(e.state is not None and e.state.seq_index > 0 for e in getattr(self, _CACHE_ATTR).values()):
+        raise NotImplementedError(
+            "crop() on a cache used by Titans memory layers: the memory cannot be rolled back to an earlier token, "
+            "so assisted/speculative decoding and other cache rollbacks are not supported with titans=...; "
+            "generate without an assistant (greedy, sampling and beam search work)."
+        )
+    return type(self).crop(self, *args, **kwargs)
+
+
+def _cache_reset(self: Any, *args: Any, **kwargs: Any) -> Any:
+    getattr(self, _CACHE_ATTR).clear()
+    return type(self).reset(self, *args, **kwargs)
+
+
+_CACHE_METHODS = {
+    "reorder_cache": _cache_reorder_cache,
+    "batch_select_indices": _cache_batch_select_indices,
+    "batch_repeat_interleave": _cache_batch_repeat_interleave,
+    "crop": _cache_crop,
+    "reset": _cache_reset,
+}
+
+
+def _cache_states(cache: Any) -> dict[int, _CachedState]:
+    """The memory states kept on ``cache`` (installed on first use, with the batch/beam methods that move them)."""
+    states = cache.__dict__.get(_CACHE_ATTR)
+    if states is None:
+        states = {}
+        setattr(cache, _CACHE_ATTR, states)
+        for name, fn in _CACHE_METHODS.items():
+            if callable(getattr(type(cache), name, None)) and name not in cache.__dict__:
+                setattr(cache, name, types.MethodType(fn, cache))  # bound: deepcopy rebinds to the copy
+    return states
+
+
+def _cache_length(cache: Any, index: int) -> int:
+    try:
+        return int(cache.get_seq_length(index))
+    except (ValueError, IndexError, TypeError):  # e.g. a linear-attention cache layer tracks no length
+        return int(cache.get_seq_length())
+
+
+# ------------------------------------------------------------------------------------------ the patched forward
+
+
+def _checkpointing(layer: nn.Module) -> bool:
+    """Whether transformers checkpoints this layer's forward in this call (then it also drops the KV cache)."""
+    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
+
+
+def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    info: _LayerInfo = getattr(self, _LAYER_ATTR)
+    x = args[0] if args else kwargs.get("hidden_states")
+    name = type(self).__name__
+    if not isinstance(x, Tensor):
+        raise UnsupportedModelError(
+            f"Titans memory on {name}: the layer was not called with hidden states as its first argument."
+        )
+    checkpointing = _checkpointing(self)
+    cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), None)
+    if cache is None and info.cache_pos is not None and len(args) > info.cache_pos:
+        cache = args[info.cache_pos]
+    if checkpointing and not getattr(self, "_can_checkpoint_with_cache", False):
+        cache = None  # transformers drops the KV cache of a checkpointed layer too: the memory starts afresh
+    elif cache is None and kwargs.get("use_cache"):
+        raise UnsupportedModelError(
+            f"Titans memory on {name}: called with use_cache=True but no transformers Cache reached the layer, so the "
+            "memory state could not follow the KV cache."
+        )
+    entry = None
+    state = None
+    if cache is not None:
+        if not callable(getattr(cache, "get_seq_length", None)):
+            raise UnsupportedModelError(
+                f"Titans memory on {name}: past_key_values is a {type(cache).__name__}; a transformers Cache "
+                "(e.g. DynamicCache) is needed to carry the memory state."
+            )
+        past = _cache_length(cache, info.cache_index)  # read before the layer writes its keys/values
+        states = _cache_states(cache)
+        entry = states.get(info.index)
+        if past > 0:
+            if entry is None or entry.state is None:
+                raise ValueError(
+                    f"Titans memory on layer {info.index}: the cache already holds {past} tokens but no memory state "
+                    "for this layer (it was filled by the model without Titans, or under gradient checkpointing). "
+                    "Start from an empty cache."
+                )
+            if entry.state.seq_index != past:
+                raise ValueError(
+                    f"Titans memory on layer {info.index}: the cache holds {past} tokens but the memory has seen "
+                    f"{entry.state.seq_index}; the cache was changed outside the model (cropped or edited)."
+                )
+            state = entry.state
+        entry = states[info.index] = _CachedState(None, _branch_heads(self))
+    if info.previous_forward is not None:
+        out = info.previous_forward(*args, **kwargs)
+    else:
+        out = type(self).forward(self, *args, **kwargs)
+    branch = getattr(self, BRANCH_ATTR)
+    if checkpointing and cache is None and callable(getattr(self, "_gradient_checkpointing_func", None)):
+        delta = self._gradient_checkpointing_func(lambda h: branch(h, None)[0], x)
+        new_state = None
+    else:
+        delta, new_state = branch(x, state)
+    if entry is not None:
+        entry.state = new_state
+    hidden = out if isinstance(out, Tensor) else out[0] if isinstance(out, (tuple, list)) else None
+    if not isinstance(hidden, Tensor) or hidden.shape != x.shape:
+        raise UnsupportedModelError(
+            f"Titans memory on {name}: the layer must return its output hidden states (a tensor of the input's shape, "
+            f"or a tuple starting with one); it returned {type(out).__name__}."
+        )
+    hidden = hidden + delta.to(hidden.dtype)
+    if isinstance(out, Tensor):
+        return hidden
+    return [hidden, *out[1:]] if isinstance(out, list) else (hidden, *out[1:])
+
+
+def _branch_heads(self: nn.Module) -> int:
+    # modules(), not .memory: the branch may sit in a PEFT ModulesToSaveWrapper (all copies have the same heads)
+    return next(m.heads for m in getattr(self, BRANCH_ATTR).modules() if isinstance(m, NeuralMemory))
+
+
+# ------------------------------------------------------------------------------------------ public entry points
+
+
+def _as_config(titans: Any) -> TitansConfig:
+    if isinstance(titans, TitansConfig):
+        return titans
+    if isinstance(titans, dict):
+        return TitansConfig(**titans)
+    raise ValueError(
+        f"titans=...: expected a memgrad_hf.titans.TitansConfig (or its dict); got {type(titans).__name__}."
+    )
+
+
+def _resolve_layers(indices: Any, n: int) -> list[int]:
+    if isinstance(indices, int):
+        indices = [indices]
+    if not indices:
+        raise ValueError("TitansConfig.layers is empty; name at least one decoder layer (e.g. layers=[-1]).")
+    out = []
+    for i in indices:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"TitansConfig.layers: {i!r} is not an integer layer index.")
+        if not -n <= i < n:
+            raise ValueError(f"TitansConfig.layers: index {i} is out of range for a model with {n} decoder layers.")
+        j = i % n
+        if j in out:
+            raise ValueError(f"TitansConfig.layers: layer {j} is named twice ({list(indices)}).")
+        out.append(j)
+    return sorted(out)
+
+
+def is_titans_patched(model: nn.Module) -> bool:
+    """Whether :func:`inject_titans` (``patch_model(model, titans=...)``) has added memory to ``model``."""
+    return isinstance(getattr(model, _MODEL_ATTR, None), TitansPatch)
+
+
+def titans_branches(model: nn.Module) -> dict[int, nn.Module]:
+    """The memory branches of a patched model, by decoder-layer index.
+
+    Example::
+
+        for i, branch in titans_branches(model).items():
+            branch.memory.grad_impl = "autograd"     # e.g. switch to the torch.func reference
+    """
+    patch = getattr(model, _MODEL_ATTR, None)
+    if not isinstance(patch, TitansPatch):
+        return {}
+    layers = model.get_submodule(patch.layers_path)
+    return {i: getattr(layers[i], BRANCH_ATTR) for i in patch.config.layers}
+
+
+def inject_titans(model: nn.Module, titans: TitansConfig | dict[str, Any]) -> nn.Module:
+    """Add a gated Titans memory branch to the decoder layers ``titans.layers`` of ``model`` (in place).
+
+    Usually called through ``memgrad_hf.patch_model(model, titans=TitansConfig(...))``. At step 0 the patched model's
+    outputs equal the original's (the branch's output projection is zero); the branch parameters train with the rest
+    of the model, are saved by ``save_pretrained`` and load with :func:`memgrad_hf.titans.from_pretrained`.
+
+    Example::
+
+        from memgrad_hf.titans import TitansConfig
+        memgrad_hf.patch_model(model, titans=TitansConfig(layers=[2, 4, -1], heads=4, chunk_size=64))
+
+    Raises:
+        UnsupportedModelError: no decoder-layer list found (the message names the class).
+        ValueError: bad layer indices or memory settings, or the model already has Titans memory.
+    """
+    config = _as_config(titans)
+    if is_titans_patched(model):
+        raise ValueError(
+            f"{type(model).__name__} already has Titans memory layers; call memgrad_hf.unpatch_model(model) first."
+        )
+    path, layers = find_decoder_layers(model)
+    indices = _resolve_layers(config.layers, len(layers))
+    config = dataclasses.replace(config, layers=indices)
+    dim = _hidden_size(model)
+    branches: dict[int, GatedMemoryBranch] = {}
+    for i in indices:  # build everything first: a bad setting leaves the model untouched
+        layer = layers[i]
+        if hasattr(layer, BRANCH_ATTR) or _LAYER_ATTR in layer.__dict__:
+            raise ValueError(f"decoder layer {i} of {type(model).__name__} already has a '{BRANCH_ATTR}' attribute.")
+        ref = next((p for p in layer.parameters() if p.is_floating_point()), None)
+        branch = GatedMemoryBranch(dim, **config.memory_kwargs())
+        if ref is not None:
+            branch.to(device=ref.device, dtype=ref.dtype)
+        branches[i] = branch
+    for i, branch in branches.items():
+        layer = layers[i]
+        had = "forward" in layer.__dict__
+        previous = layer.__dict__.get("forward")
+        cache_pos = _cache_position_arg(previous if had else type(layer).forward)
+        if cache_pos is not None and not had:
+            cache_pos -= 1  # the class forward's signature includes self
+        layer.add_module(BRANCH_ATTR, branch)
+        setattr(layer, _LAYER_ATTR, _LayerInfo(i, _cache_layer_index(layer, i), had, previous, cache_pos))
+        layer.forward = types.MethodType(_patched_layer_forward, layer)
+    model_config = getattr(model, "config", None)
+    had_attr = model_config is not None and CONFIG_ATTR in getattr(model_config, "__dict__", {})
+    previous_value = getattr(model_config, CONFIG_ATTR, None) if had_attr else None
+    if model_config is not None:
+        setattr(model_config, CONFIG_ATTR, config.to_dict())
+    setattr(model, _MODEL_ATTR, TitansPatch(config, path, had_attr, previous_value))
+    return model
+
+
+def remove_titans(model: nn.Module) -> nn.Module:
+    """Undo :func:`inject_titans` exactly: branches removed, original layer forwards and config restored.
+
+    A model without Titans memory is returned unchanged. ``memgrad_hf.unpatch_model(model)`` calls this.
+
+    Example::
+
+        memgrad_hf.unpatch_model(model)   # removes the chunked head too; remove_titans(model) only the memory
+    """
+    patch = getattr(model, _MODEL_ATTR, None)
+    if not isinstance(patch, TitansPatch):
+        return model
+    layers = model.get_submodule(patch.layers_path)
+    for i in patch.config.layers:
+        layer = layers[i]
+        info: _LayerInfo = layer.__dict__.pop(_LAYER_ATTR)
+        layer.__dict__.pop("forward", None)
+        if info.had_instance_forward:
+            layer.forward = info.previous_forward
+        del layer._modules[BRANCH_ATTR]
+    model_config = getattr(model, "config", None)
+    if model_config is not None:
+        if patch.had_config_attr:
+            setattr(model_config, CONFIG_ATTR, patch.previous_config_value)
+        elif CONFIG_ATTR in getattr(model_config, "__dict__", {}):
+            delattr(model_config, CONFIG_ATTR)
+    delattr(model, _MODEL_ATTR)
+    return model
+
+
+__all__ = [
+    "BRANCH_ATTR",
+    "CONFIG_ATTR",
+    "TitansPatch",
+    "find_decoder_layers",
+    "inject_titans",
+    "is_titans_patched",
+    "remove_titans",
+    "titans_branches",
+]

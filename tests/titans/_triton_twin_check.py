@@ -1,0 +1,96 @@
+"""Run under TRITON_INTERPRET=1 (by test_titans_triton.py): the Triton Titans memory step against its torch twin.
+
+Forward outputs (weight gradients, dgamma, retrieval, token loss) for depths 1-4, GELU and SiLU, shared 2-D and
+per-memory 3-D weights, with and without queries; then the autograd path once (Triton forward, torch-twin backward):
+first-order outer gradients and a double backward. On a GPU machine: ``python tests/titans/_triton_twin_check.py cuda``
+runs the compiled kernel instead. Prints one line per config and exits non-zero above 1e-5 relative error.
+"""
+
+import sys
+
+import torch
+
+from memgrad_hf.kernels import titans as K
+from memgrad_hf.kernels import titans_triton as T
+
+TOL = 1e-5
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    denom = b.abs().max().item()
+    diff = (a - b).abs().max().item()
+    return diff if denom == 0 else diff / denom
+
+
+def make_inputs(depth: int, shared: bool, device: str, g: int = 2, c: int = 16, d: int = 16, e: int = 2,
+                cq: int = 16, seed: int = 0) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    widths = [d] + [d * e] * (depth - 1) + [d]
+    lead = () if shared else (g,)
+    ws = [torch.randn(*lead, widths[i], widths[i + 1], generator=gen) / widths[i] ** 0.5 for i in range(depth)]
+    gamma = 0.1 * torch.randn(*lead, d, generator=gen)
+    k, v = torch.randn(g, c, d, generator=gen), torch.randn(g, c, d, generator=gen)
+    q = torch.randn(g, cq, d, generator=gen)
+    lr = torch.rand(g, c, generator=gen)
+    move = lambda t: t.to(device)
+    return [move(w) for w in ws], move(gamma), move(k), move(v), move(lr), move(q)
+
+
+def check_forward(depth: int, activation: str, shared: bool, with_q: bool, device: str, **shape) -> float:
+    ws, gamma, k, v, lr, q = make_inputs(depth, shared, device, **shape)
+    q = q if with_q else None
+    with torch.no_grad():
+        ref = K.memory_step(ws, gamma, k, v, lr, q, activation)
+        out = T.memory_step(ws, gamma, k, v, lr, q, activation)
+    assert (ref[2] is None) == (out[2] is None)
+    pairs = [*zip(ref[0], out[0], strict=True), (ref[1], out[1]), (ref[3], out[3])]
+    if with_q:
+        pairs.append((ref[2], out[2]))
+    for a, b in pairs:
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    return max(rel_err(b, a) for a, b in pairs)
+
+
+def check_autograd(device: str) -> float:
+    """Outer gradients (second order in the inner loss) and a double backward through the Triton step."""
+    ws, gamma, k, v, lr, q = make_inputs(2, False, device, seed=3)
+    leaves = [t.requires_grad_() for t in (*ws, gamma, k, v, lr, q)]
+    gen = torch.Generator().manual_seed(5)
+    probes = None
+    results = []
+    for step in (K.memory_step, T.memory_step):
+        grads, dgamma, retrieved, token_loss = step(ws, gamma, k, v, lr, q, "silu")
+        outs = (*grads, dgamma, retrieved, token_loss)
+        if probes is None:
+            probes = [torch.randn(o.shape, generator=gen).to(device) for o in outs]
+        probe = sum((o * p).sum() for o, p in zip(outs, probes, strict=True))
+        outer = torch.autograd.grad(probe, leaves, create_graph=True)
+        second = torch.autograd.grad(sum(o.square().sum() for o in outer), leaves)
+        results.append([*outer, *second])
+    return max(rel_err(b, a) for a, b in zip(*results, strict=True))
+
+
+def main(device: str) -> int:
+    worst = 0.0
+    for depth in (1, 2, 3, 4):
+        for activation in ("gelu", "silu"):
+            for shared in (False, True):
+                for with_q in (False, True):
+                    err = check_forward(depth, activation, shared, with_q, device)
+                    worst = max(worst, err)
+                    print(f"depth={depth} {activation} {'shared' if shared else 'per-memory'} "
+                          f"{'queries' if with_q else 'no-queries'}: rel err {err:.2e}")
+    # non-power-of-two sizes (masks), more rows than one block, queries of another length
+    err = check_forward(2, "gelu", False, True, device, g=3, c=40, d=12, e=3, cq=56)
+    print(f"masked shapes G=3 C=40 D=12 H=36 Cq=56: rel err {err:.2e}")
+    worst = max(worst, err)
+    err = check_autograd(device)
+    print(f"autograd (outer grads + double backward): rel err {err:.2e}")
+    worst = max(worst, err)
+    print(f"max relative error {worst:.3e}")
+    return 0 if worst < TOL else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cpu"))

@@ -1,0 +1,205 @@
+"""FANs: prediction shapes, distillation by cosine, the attach-loss trick, and the Trainer callback's switch."""
+
+import pytest
+import torch
+from torch import nn
+
+from memgrad_hf.kernels import titans as K
+from memgrad_hf.titans import FAN, NeuralMemory
+from memgrad_hf.titans.fan import attach_loss
+from tests.helpers import rel_err
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny ops gain nothing from a second thread, and OpenMP spin-waiting on a shared 2-core CPU can cost 20x.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _chunk(g=3, c=8, d=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.nn.functional.rms_norm(torch.randn(g, c, d, generator=gen), (d,))
+    v, q = torch.randn(g, c, d, generator=gen), torch.randn(g, 5, d, generator=gen)
+    lr = torch.rand(g, c, generator=gen)
+    return k, v, q, lr
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+@pytest.mark.parametrize("shared", [True, False])
+def test_prediction_shapes_and_exact_dgamma(depth, shared):
+    d, g = 16, 3
+    mem = NeuralMemory(d, depth=depth, expansion=2, fan=True)
+    ws = [w.detach() if shared else w.detach().expand(g, *w.shape).clone() for w in mem.memory_weights]
+    gamma = torch.randn(d) * 0.1
+    k, v, q, lr = _chunk(g, d=d)
+    grads, dgamma, retrieved = mem.fan.memory_step(ws, gamma, k, v, lr, q, "gelu")
+    exact, exact_dgamma, exact_retrieved, _ = K.memory_step(ws, gamma, k, v, lr, q, "gelu")
+    assert [t.shape for t in grads] == [t.shape for t in exact]
+    assert mem.fan.widths == [w.shape[1] for w in mem.memory_weights] and mem.fan.calls == 1
+    # dgamma needs no backward (sum_t dY_t * H_t) and is exact; retrieval is the memory's own forward.
+    assert rel_err(dgamma, exact_dgamma) < 1e-5 and rel_err(retrieved, exact_retrieved) < 1e-5
+    assert mem.fan.memory_step(ws, gamma, k, v, lr, None, "gelu")[2] is None
+
+
+def test_attach_loss_leaves_value_and_gradient_and_trains_the_aux():
+    x = torch.randn(4, requires_grad=True)
+    p = torch.tensor(2.0, requires_grad=True)
+    y = attach_loss(x * 3, p.square(), coef=0.5)
+    assert torch.equal(y, x.detach() * 3)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((4,), 3.0)) and p.grad.item() == pytest.approx(0.5 * 2 * 2.0)
+
+
+def _train(mem, steps, lr=3e-3, seed=0):
+    torch.manual_seed(seed)
+    opt = torch.optim.Adam(mem.parameters(), lr=lr)
+    cosines = []
+    for _ in range(steps):
+        x = torch.randn(4, 32, mem.dim)
+        y, _ = mem(x)
+        loss = (y - x.roll(1, 1)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        cosines.append(mem.fan.cosine)
+        mem.fan.reset_stats()
+    return cosines
+
+
+def test_distillation_raises_the_cosine():
+    torch.manual_seed(0)
+    mem = NeuralMemory(32, heads=2, chunk_size=8, max_lr=0.5, fan=True)
+    mem.fan.distilling = True
+    calls0 = mem.exact_grad_calls
+    cos = _train(mem, 80)
+    first, last = sum(cos[:5]) / 5, sum(cos[-10:]) / 10
+    assert abs(first) < 0.3 and last > 0.6, (first, last)
+    assert mem.fan.distill_calls == mem.exact_grad_calls - calls0 == 80 * 4
+    per_layer = mem.fan.cosine_per_layer
+    assert len(per_layer) == 2
+
+
+def _outer(mem, x, distill, scale=1.0):
+    mem.fan.distilling = distill
+    mem.zero_grad(set_to_none=True)
+    y, _ = mem(x)
+    (scale * (y * torch.linspace(-1, 1, y.shape[-1])).sum()).backward()
+    fan_grads = [None if p.grad is None else p.grad.clone() for p in mem.fan.parameters()]
+    other = {n: p.grad.clone() for n, p in mem.named_parameters() if not n.startswith("fan.")}
+    return y.detach(), fan_grads, other
+
+
+def test_attach_trick_keeps_output_and_gradients_and_fan_learns_only_from_distillation():
+    mem = NeuralMemory(16, heads=2, chunk_size=4, max_lr=0.5, fan=True)
+    x = torch.randn(2, 13, 16)
+    y_off, fan_off, other_off = _outer(mem, x, False)
+    y_on, fan_on, other_on = _outer(mem, x, True)
+    _, fan_on3, other_on3 = _outer(mem, x, True, scale=3.0)
+    assert torch.equal(y_on, y_off)  # the model's output (and hence loss) is unchanged by distillation
+    for n in other_off:  # and so is every gradient of the model's own parameters
+        assert torch.equal(other_on[n], other_off[n]), n
+        assert rel_err(other_on3[n], 3 * other_off[n]) < 1e-5, n
+    assert all(g is None for g in fan_off)  # not distilling: the FAN is outside the graph
+    # distilling: the FAN's gradient is the distillation loss's, whatever the outer loss is
+    assert all(g is not None and g.abs().sum() > 0 for g in fan_on)
+    for a, b in zip(fan_on, fan_on3, strict=True):
+        assert torch.equal(a, b)
+    # ... and equals the gradient of loss_coef * sum over chunks of the distillation loss, computed directly
+    mem.fan.distilling = False
+    losses = []
+    real_step = mem._inner_step
+
+    def spy(weights, gamma, k, v, lr, q):
+        grads, dgamma, retrieved = real_step(weights, gamma, k, v, lr, q)
+        losses.append(mem.fan.distill_loss(weights, gamma, k, v, lr, grads, mem.activation)[0])
+        return grads, dgamma, retrieved
+
+    mem._inner_step = spy
+    mem(x)
+    del mem._inner_step
+    direct = torch.autograd.grad(mem.fan.loss_coef * sum(losses), list(mem.fan.parameters()))
+    for a, b in zip(fan_on, direct, strict=True):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_fan_mode_uses_no_exact_gradient():
+    mem = NeuralMemory(16, heads=2, chunk_size=4, fan=True)
+    x = torch.randn(2, 16, 16)
+    y_exact, _ = mem(x)
+    calls = mem.exact_grad_calls
+    mem.grad_impl = "fan"
+    y_fan, _ = mem(x)
+    y_fan.sum().backward()
+    assert mem.exact_grad_calls == calls and mem.fan.calls == 4
+    assert not torch.allclose(y_fan, y_exact)
+    assert torch.equal(y_fan[:, :4], y_exact[:, :4])  # the first chunk is read from the initial memory
+
+
+def test_fan_and_callback_errors():
+    from memgrad_hf.callbacks import FANDistillationCallback
+
+    with pytest.raises(ValueError, match="fan=True"):
+        NeuralMemory(16, grad_impl="fan")
+    with pytest.raises(ValueError, match="depth"):
+        FAN(16, [64, 16]).predict([torch.randn(16, 16)], torch.zeros(16), *_chunk()[:2], _chunk()[3])
+    with pytest.raises(ValueError, match="fan=True"):
+        FANDistillationCallback(distill_steps=1).on_train_begin(None, None, None, model=NeuralMemory(16))
+
+
+# -- Trainer ----------------------------------------------------------------------------------------------------------
+class TinyMemoryLM(nn.Module):
+    """A minimal LM around one NeuralMemory (the Trainer accepts any module returning a loss)."""
+
+    def __init__(self, vocab=32, dim=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mem = NeuralMemory(dim, heads=2, chunk_size=8, max_lr=0.5, fan=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, labels=None):
+        h = self.emb(input_ids)
+        h = h + self.mem(h)[0]
+        logits = self.head(h)
+        loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def _trainer(model, cb, steps, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32, (steps * 2, 32), generator=gen)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2,
+                             learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to="none",
+                             use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+
+
+def test_callback_distils_then_switches_and_no_exact_gradient_after(tmp_path):
+    from memgrad_hf.callbacks import FANDistillationCallback
+
+    torch.manual_seed(0)
+    model = TinyMemoryLM()
+    calls_seen = []
+
+    class Probe(FANDistillationCallback):  # records the counters after every step
+        def on_step_end(self, args, state, control, **kw):
+            super().on_step_end(args, state, control, **kw)
+            calls_seen.append((state.global_step, model.mem.exact_grad_calls, model.mem.fan.calls))
+
+    cb = Probe(distill_steps=4)
+    trainer = _trainer(model, cb, 8, tmp_path)
+    trainer.train()
+    assert cb.switched and cb.switch_step == 4 and model.mem.grad_impl == "fan"
+    assert cb.exact_calls_at_switch == 4 * 4 == calls_seen[3][1]  # 4 steps x 4 chunks, all exact
+    # the counter proof: not one exact inner-gradient call after the switch, and the FAN did the work
+    assert [c[1] for c in calls_seen[4:]] == [cb.exact_calls_at_switch] * 4
+    assert calls_seen[-1][2] == 4 * 4 and calls_seen[3][2] == 0
+    assert not any(p.requires_grad for p in model.mem.fan.parameters())  # frozen after the switch
+    assert -1 <= cb.cosine_at_switch <= 1 and cb.summary["fan_mode"] == 1
+    logs = [h for h in trainer.state.log_history if "fan_cosine" in h]
+    assert len(logs) >= 8 and logs[0]["fan_mode"] == 0 and logs[-1]["fan_mode"] == 1
+    assert logs[-1]["fan_exact_grad_calls"] == cb.exact_calls_at_switch

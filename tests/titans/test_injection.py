@@ -1,0 +1,322 @@
+"""Titans injection into HF decoders: step-0 identity, memory state through segments and generate(), gradient
+checkpointing, save/load, exact unpatch."""
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+import memgrad_hf
+from memgrad_hf.errors import UnsupportedModelError
+from memgrad_hf.patches import is_head_patched
+from memgrad_hf.patches.titans import find_decoder_layers, is_titans_patched, remove_titans, titans_branches
+from memgrad_hf.titans import TitansConfig, from_pretrained, load_titans, save_titans, titans_state_dict
+from tests.tiny_models import VOCAB, tiny_model
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+CFG = dict(heads=2, chunk_size=4, max_lr=0.5)
+
+
+def _ids(batch=2, n=11, seed=1):
+    return torch.randint(1, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _activate(model, std=0.5):
+    """Give the zero-initialised output projections values, so the memory changes the model's outputs."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for branch in titans_branches(model).values():
+            branch.out.weight.copy_(torch.randn(branch.out.weight.shape, generator=g) * std)
+    return model
+
+
+def _patched(family="llama", layers=(-1,), head=False, **kw):
+    model = tiny_model(family).eval()
+    return memgrad_hf.patch_model(model, head=head, titans=TitansConfig(layers=list(layers), **{**CFG, **kw}))
+
+
+def _greedy_loop(model, ids, steps):
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_step0_identity_then_exact_unpatch(family):
+    model = tiny_model(family).eval()
+    ids = _ids()
+    keys = list(model.state_dict())
+    with torch.no_grad():
+        ref = model(ids).logits
+        memgrad_hf.patch_model(model, titans=TitansConfig(layers=[0, -1], **CFG))
+        out = model(ids, output_hidden_states=True)
+    assert torch.equal(out.logits, ref)  # W_o = 0: identical, not just close
+    name, layers = find_decoder_layers(model)
+    assert name == "model.layers" and "forward" in layers[1].__dict__
+    extra = [k for k in model.state_dict() if k not in keys]
+    assert [k for k in model.state_dict() if k in keys] == keys  # original keys unchanged, in order
+    prefixes = ("model.layers.0.titans_memory.", "model.layers.1.titans_memory.")
+    assert extra and all(k.startswith(prefixes) for k in extra)
+    assert model.config.memgrad_titans["layers"] == [0, 1]
+    with torch.no_grad():
+        changed = _activate(model)(ids, output_hidden_states=True)
+    assert not torch.allclose(changed.logits, ref, atol=1e-3)  # the memory reaches the outputs
+    # output_hidden_states records the patched layer's output (layer + memory)
+    assert not torch.equal(changed.hidden_states[1], out.hidden_states[1])
+    memgrad_hf.unpatch_model(model)
+    assert not is_titans_patched(model) and not hasattr(model.config, "memgrad_titans")
+    assert list(model.state_dict()) == keys
+    assert all("forward" not in layer.__dict__ and not hasattr(layer, "titans_memory") for layer in layers)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_cached_equals_uncached_and_resets(family):
+    model = _activate(_patched(family, layers=(0, 1)))
+    ids = _ids(n=6)  # chunk 4: the prompt leaves 2 pending tokens, decoding crosses several chunk boundaries
+    kw = dict(max_new_tokens=9, do_sample=False, pad_token_id=0)
+    cached = model.generate(ids, use_cache=True, **kw)
+    assert torch.equal(cached, model.generate(ids, use_cache=False, **kw))
+    assert torch.equal(cached, _greedy_loop(model, ids, 9))
+    assert torch.equal(cached, model.generate(ids, use_cache=True, **kw))  # state reset between sequences
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_segments_through_a_cache_equal_one_forward(family):
+    model = _activate(_patched(family))
+    ids = _ids(n=13)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        for _ in range(2):  # a fresh cache starts a new sequence: same result the second time
+            cache = DynamicCache(config=model.config)
+            parts = [model(ids[:, s:e], past_key_values=cache, use_cache=True).logits
+                     for s, e in [(0, 3), (3, 8), (8, 9), (9, 13)]]
+            assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
+        # without a cache every call is its own sequence: the second segment alone differs from its place in `full`
+        alone = model(ids[:, 8:], use_cache=False).logits
+    assert not torch.allclose(alone, full[:, 8:], atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "falcon"])  # other layer layouts: transformer.h; falcon returns a tuple
+def test_other_decoders_same_contract(family):
+    model = tiny_model(family).eval()
+    ids = _ids(n=7)
+    with torch.no_grad():
+        ref = model(ids).logits
+        memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[0], **CFG))
+        assert torch.equal(model(ids).logits, ref)
+    _activate(model)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, use_cache=True, **kw), _greedy_loop(model, ids, 6))
+
+
+def test_beam_search_moves_the_memory_with_the_cache():
+    model = _activate(_patched(layers=(0, 1)))
+    ids = _ids(n=5)
+    kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, use_cache=True, **kw), model.generate(ids, use_cache=False, **kw))
+
+
+def test_static_and_reused_caches():
+    model = _activate(_patched(layers=(0, 1)))
+    ids = _ids(n=6)
+    kw = dict(max_new_tokens=7, do_sample=False, pad_token_id=0)
+    ref = _greedy_loop(model, ids, 7)
+    for _ in range(2):  # transformers keeps one StaticCache and reset()s it between calls
+        assert torch.equal(model.generate(ids, cache_implementation="static", **kw), ref)
+    cache = DynamicCache(config=model.config)
+    assert torch.equal(model.generate(ids, past_key_values=cache, **kw), ref)
+    cache.reset()
+    assert torch.equal(model.generate(ids, past_key_values=cache, **kw), ref)
+
+
+def test_deepcopy_gives_an_independent_patched_model():  # e.g. TRL's reference model
+    model = _activate(_patched())
+    ids = _ids()
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert torch.equal(twin(ids).logits, ref)
+        titans_branches(twin)[1].out.weight.mul_(2)  # the copy's forward uses the copy's memory
+        assert not torch.allclose(twin(ids).logits, ref, atol=1e-4)
+        assert torch.equal(model(ids).logits, ref)
+    memgrad_hf.unpatch_model(twin)
+    assert is_titans_patched(model) and not is_titans_patched(twin)
+
+
+def test_cache_misuse_is_an_error():
+    model = _activate(_patched())
+    ids = _ids(n=6)
+    plain = tiny_model("llama").eval()
+    with torch.no_grad():
+        cache = DynamicCache(config=plain.config)
+        plain(ids, past_key_values=cache, use_cache=True)  # filled without memory
+        with pytest.raises(ValueError, match="no memory state"):
+            model(ids[:, :1], past_key_values=cache, use_cache=True)
+        cache = DynamicCache(config=model.config)
+        model(ids, past_key_values=cache, use_cache=True)
+        with pytest.raises(NotImplementedError, match="rolled back"):
+            cache.crop(-2)
+        cache.crop(0)  # a no-op stays allowed
+
+
+def _hf_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def test_training_with_head_patch_step0_then_all_memory_params_learn():
+    model = tiny_model("llama").train()
+    ids = _ids(n=12)
+    ref = _hf_loss(model, ids).item()
+    memgrad_hf.patch_model(model, titans=TitansConfig(layers=[1], **CFG))  # head=True (default) as well
+    assert is_head_patched(model)
+    loss = _hf_loss(model, ids)
+    assert loss.item() == pytest.approx(ref, rel=1e-6)
+    loss.backward()
+    branch = titans_branches(model)[1]
+    assert branch.out.weight.grad.abs().sum() > 0
+    for name, p in branch.named_parameters():  # at W_o = 0 only W_o itself receives gradient
+        if name != "out.weight":
+            assert p.grad is None or torch.count_nonzero(p.grad) == 0, name
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.step()
+    opt.zero_grad()
+    _hf_loss(model, ids).backward()
+    for name, p in branch.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def _grads(model, ids):
+    model.zero_grad()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_same_grads_and_memory_recomputed(reentrant):
+    model = _activate(_patched(layers=(0, 1))).train()
+    ids = _ids(n=10)
+    calls = []
+    # a pre-hook: non-reentrant recomputation stops early, once the saved tensors it needs exist again
+    titans_branches(model)[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    ref = _grads(model, ids)
+    assert len(calls) == 1
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _grads(model, ids)
+    assert len(calls) == 3  # forward + recomputation in backward: the branch is inside the checkpoint
+    assert ref.keys() == got.keys() and any("titans_memory.memory.memory_weights" in k for k in ref)
+    for k in ref:
+        assert torch.allclose(got[k], ref[k], atol=1e-6, rtol=1e-5), k
+
+
+def test_peft_lora_with_memory_in_modules_to_save():
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("llama").train()
+    ids = _ids(n=8)
+    ref = _hf_loss(model, ids).item()
+    memgrad_hf.patch_model(model, titans=TitansConfig(layers=[1], **CFG))
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["titans_memory"])
+    peft = get_peft_model(model, lora)
+    loss = _hf_loss(peft, ids)
+    assert loss.item() == pytest.approx(ref, rel=1e-6)
+    loss.backward()
+    trained = [p for n, p in peft.named_parameters() if n.endswith("titans_memory.modules_to_save.default.out.weight")]
+    assert len(trained) == 1 and trained[0].grad.abs().sum() > 0
+
+
+def test_save_pretrained_round_trip_and_plain_transformers_load(tmp_path):
+    model = tiny_model("llama").eval()
+    ids = _ids()
+    keys = list(model.state_dict())
+    with torch.no_grad():
+        original = model(ids).logits
+    memgrad_hf.patch_model(model, titans=TitansConfig(layers=[-1], **CFG))
+    _activate(model)
+    with torch.no_grad():
+        patched = model(ids).logits
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["memgrad_titans"]
+    assert saved == TitansConfig(layers=[1], **CFG).to_dict()
+
+    cls = type(model)
+    before = cls.__dict__.get("_keys_to_ignore_on_load_unexpected")
+    loaded = from_pretrained(tmp_path).eval()
+    assert cls.__dict__.get("_keys_to_ignore_on_load_unexpected") == before  # no lasting change to the class
+    assert is_titans_patched(loaded)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, patched)
+    for k, v in titans_state_dict(model).items():
+        assert torch.equal(titans_state_dict(loaded)[k], v)
+
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # memory keys reported unexpected, not loaded
+    assert not is_titans_patched(plain) and list(plain.state_dict()) == keys
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, original)
+    load_titans(plain, tmp_path)  # the memory onto an already-loaded model
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, patched)
+
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    with torch.no_grad():
+        assert torch.equal(from_pretrained(tmp_path / "sharded")(ids).logits, patched)
+
+
+def test_save_titans_separately_and_mismatch_errors(tmp_path):
+    model = _activate(_patched(layers=(0,)))
+    ids = _ids()
+    with torch.no_grad():
+        patched = model(ids).logits
+    path = save_titans(model, tmp_path)
+    assert path.endswith("memgrad_titans.safetensors")
+    fresh = tiny_model("llama").eval()  # same base weights, config without memgrad_titans: config from metadata
+    load_titans(fresh, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, patched)
+    other = _patched(layers=(1,))
+    with pytest.raises(ValueError, match="does not match"):
+        load_titans(other, tmp_path)
+    with pytest.raises(ValueError, match="no Titans memory"):
+        save_titans(tiny_model("llama"), tmp_path)
+    tiny_model("llama").save_pretrained(tmp_path / "bare")  # a checkpoint without memory
+    with pytest.raises(ValueError, match="no Titans config"):
+        load_titans(tiny_model("llama"), tmp_path / "bare")
+
+
+def test_bad_arguments():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="out of range"):
+        memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[2]))
+    with pytest.raises(ValueError, match="named twice"):
+        memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[1, -1]))
+    with pytest.raises(ValueError, match="empty"):
+        memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[]))
+    with pytest.raises(ValueError, match="divisible"):  # a bad memory setting leaves the model untouched
+        memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[0], heads=5))
+    assert not is_titans_patched(model) and not any("titans" in k for k in model.state_dict())
+    with pytest.raises(ValueError, match="chunk_size"):  # the head patch fails after injection: rolled back
+        memgrad_hf.patch_model(model, titans=TitansConfig(layers=[0], **CFG), chunk_size=-1)
+    assert not is_titans_patched(model) and not is_head_patched(model)
+    memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[-2], **CFG))
+    assert model.config.memgrad_titans["layers"] == [0]
+    with pytest.raises(ValueError, match="already has Titans"):
+        memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[1]))
+    remove_titans(model)
+    remove_titans(model)  # idempotent
+
+    class NoLayers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 4)
+
+    with pytest.raises(UnsupportedModelError, match="NoLayers"):
+        memgrad_hf.patch_model(NoLayers(), head=False, titans=TitansConfig())
