@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--seq", type=int, default=192)
     train.add_argument("--batch", type=int, default=8)
     train.add_argument("--max_steps", type=int, default=200)
-    train.add_argument("--learning_rate", type=float, default=3e-3)
+    train.add_argument("--learning_rate", type=float, default=2e-3)
     train.add_argument("--optim", default="adamw_torch", help="any Trainer optimizer name (adamw_torch, forge_adamw)")
     train.add_argument("--logging_steps", type=int, default=None, help="default: max_steps / 10")
     train.add_argument("--eval_tokens", type=int, default=4096, help="held-out tokens evaluated at the end")

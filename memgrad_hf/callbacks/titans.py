@@ -7,8 +7,11 @@ from typing import Any
 
 from torch import nn
 from transformers import TrainerCallback
+from transformers.utils import logging
 
 from memgrad_hf.titans.memory import NeuralMemory
+
+logger = logging.get_logger(__name__)
 
 
 def fan_memories(model: nn.Module) -> list[NeuralMemory]:
@@ -26,6 +29,8 @@ class FANDistillationCallback(TrainerCallback):
             first one reached switches; with neither, the FANs distil for the whole run and never switch.
         freeze_fan_after: after the switch, stop training the FANs (``requires_grad=False``). Otherwise the outer
             loss keeps training them through the memory (they become a learned optimizer, no longer distilled).
+            Frozen FANs get no gradient after the switch, so multi-GPU DDP needs ``ddp_find_unused_parameters``
+            left at its default (True for transformers models without gradient checkpointing) or set to True.
 
     Logged in every Trainer log: ``fan_cosine`` (mean over memories of the running cosine between predicted and
     exact weight gradients; while distilling, and frozen at the switch value afterwards), ``fan_exact_grad_calls``
@@ -97,6 +102,9 @@ class FANDistillationCallback(TrainerCallback):
         if not self.memories:
             raise ValueError("FANDistillationCallback: the model has no NeuralMemory with a FAN; build the memories "
                              "with fan=True (e.g. patch_model(model, titans=TitansConfig(..., fan=True))).")
+        if self.freeze_fan_after and getattr(args, "world_size", 1) > 1 and args.ddp_find_unused_parameters is False:
+            logger.warning("FANDistillationCallback: the FANs are frozen after the switch and get no gradient; DDP "
+                           "with ddp_find_unused_parameters=False will stall. Set it to True.")
         self.switched = False
         for m in self.memories:
             if m.grad_impl == "fan":  # distillation needs the exact gradient as its target

@@ -67,10 +67,6 @@ def attach_loss(output: Tensor, aux: Tensor, coef: float = 1.0) -> Tensor:
     return _AttachLoss.apply(output, aux, coef)
 
 
-def _batched(w: Tensor, g: int) -> Tensor:
-    return w if w.dim() == 3 else w.expand(g, *w.shape)
-
-
 class FAN(nn.Module):
     """Forward Alignment Network: predicts a Titans memory's per-token error signals from forward features.
 
@@ -84,6 +80,11 @@ class FAN(nn.Module):
             parameter's gradient, so the FAN learns just as fast, while its gradients stay negligible in the
             Trainer's global gradient norm (clipping by ``max_grad_norm`` would otherwise shrink the model's own
             update). With plain SGD raise it (e.g. to 1).
+        local_derivative: multiply the predicted signal of each hidden layer by the activation's derivative at
+            that layer's pre-activation (an elementwise forward quantity, as in the true backward's
+            ``G_{i-1} = (G_i W_i^T) * act'(Z_{i-1})``): the FAN then predicts only ``G_i W_i^T``. At depth 2 this
+            raised the first layer's cosine from about 0.60 to 0.67 on a synthetic task (last layer: 0.90 either
+            way).
         window: how many recent distillation calls :attr:`cosine` averages.
 
     Attributes:
@@ -101,7 +102,7 @@ class FAN(nn.Module):
     """
 
     def __init__(self, dim_head: int, widths: list[int], *, hidden: int | None = None, norm_weight: float = 0.1,
-                 loss_coef: float = 0.01, window: int = 50) -> None:
+                 loss_coef: float = 0.01, local_derivative: bool = True, window: int = 50) -> None:
         super().__init__()
         if not widths:
             raise ValueError("FAN: widths must list the output width of every memory layer (at least one).")
@@ -111,8 +112,7 @@ class FAN(nn.Module):
         # rest of the model) unchanged, so runs with and without a FAN start from the same model.
         with torch.random.fork_rng(devices=[]):
             self.net = nn.Sequential(nn.Linear(5 * dim_head, hidden), nn.GELU(), nn.Linear(hidden, sum(self.widths)))
-        self.norm_weight, self.loss_coef = norm_weight, loss_coef
-        self.local_derivative = True
+        self.norm_weight, self.loss_coef, self.local_derivative = norm_weight, loss_coef, local_derivative
         self.distilling = False
         self.calls = 0
         self.distill_calls = 0
