@@ -26,3 +26,16 @@ def test_bench_grpo_runs_through_the_cli(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert sum(line.startswith(("| full_logits |", "| trl |", "| memgrad |")) for line in out.splitlines()) == 3
+
+
+def test_bench_titans_runs_through_the_cli(capsys):
+    import importlib.util
+
+    layers = ["memgrad"] + (["titans_pytorch"] if importlib.util.find_spec("titans_pytorch") else [])
+    rc = cli.main(["bench", "titans", "--kernel-shapes", "4x8x8x32", "--modes", "train", "--layers", *layers,
+                   "--batch", "1", "--seq", "12", "--dim", "16", "--heads", "2", "--dim-head", "8", "--chunk", "4",
+                   "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [line for line in out.splitlines() if line.startswith(("| 4x8x8x32 / train |", "| train |"))]
+    assert len(rows) == 2 + len(layers) and all("—" not in r for r in rows), out
