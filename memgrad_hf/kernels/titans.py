@@ -197,13 +197,19 @@ class _MemoryStep(torch.autograd.Function):
         weights, (gamma, keys, values, lr) = list(tensors[:n_w]), tensors[n_w:n_w + 4]
         queries = tensors[n_w + 4] if has_q else None
         outs, sv = _step_forward(weights, gamma, keys, values, lr, queries, activation)
-        ctx.activation, ctx.n_w, ctx.has_q = activation, n_w, has_q
+        ctx.activation, ctx.n_w, ctx.has_q, ctx.device_type = activation, n_w, has_q, keys.device.type
         ctx.save_for_backward(*tensors, *_saved_list(sv, has_q))
         ctx.set_materialize_grads(False)  # outputs without a gradient add no work to the backward
         return outs
 
     @staticmethod
     def backward(ctx, *bars: Tensor | None) -> tuple[Tensor | None, ...]:
+        # A backward run inside an autocast region must not re-cast the step's fp32 math.
+        with torch.autocast(ctx.device_type, enabled=False):
+            return _MemoryStep._backward(ctx, *bars)
+
+    @staticmethod
+    def _backward(ctx, *bars: Tensor | None) -> tuple[Tensor | None, ...]:
         act, L, has_q = ctx.activation, ctx.n_w, ctx.has_q
         st = list(ctx.saved_tensors)
         n_in = L + 4 + int(has_q)

@@ -220,6 +220,20 @@ class NeuralMemory(nn.Module):
         q = K.rms_norm(self._split_heads(self.to_queries(K.rms_norm(x, self.retrieve_norm.weight,
                                                                      self.retrieve_norm.eps))))
         new = self._store_inputs(x)
+        if torch.is_autocast_enabled(x.device.type):
+            # The projections ran in the autocast dtype; the memory's own gradient descent (a recurrence over chunks)
+            # runs in its parameters' dtype, as autocast keeps norms and reductions in fp32.
+            dtype = self.memory_gamma.dtype
+            q, new = q.to(dtype), tuple(z.to(dtype) for z in new)
+            with torch.autocast(x.device.type, enabled=False):
+                y, new_state = self._scan(q, new, state, b, t)
+        else:
+            y, new_state = self._scan(q, new, state, b, t)
+        return self.to_out(y), new_state
+
+    def _scan(self, q: Tensor, new: tuple[Tensor, ...], state: NeuralMemState, b: int, t: int,
+              ) -> tuple[Tensor, NeuralMemState]:
+        """Store and retrieve chunk by chunk; returns the retrieval ``(b, t, heads * dim_head)`` and the state."""
         r, c = state.pending[0].shape[1], self.chunk_size
         if r:  # prepend the tokens still waiting for a full chunk (a copy of each store input: only when needed)
             new = tuple(torch.cat([p, n], dim=1) for p, n in zip(state.pending, new, strict=True))
@@ -259,5 +273,4 @@ class NeuralMemory(nn.Module):
             y = q.new_zeros(b, t, self.heads * self.dim_head)
         pending = tuple(p[:, full:] for p in (k, v, lr, eta_logit, alpha_logit))
         mom = None if mom is None else tuple(-p for p in mom)
-        new_state = NeuralMemState(weights, gamma, mom, pending, state.seq_index + t)
-        return self.to_out(y), new_state
+        return y, NeuralMemState(weights, gamma, mom, pending, state.seq_index + t)

@@ -90,3 +90,21 @@ def test_bad_arguments():
         NeuralMemory(15, heads=2)
     with pytest.raises(ValueError, match="shape"):
         NeuralMemory(16)(torch.randn(2, 16))
+
+
+def test_bf16_autocast_and_bf16_weights():
+    # Autocast: projections in bf16, the memory's own recurrence in its fp32 parameters' dtype; backward inside the
+    # autocast region too. Stated tolerance: 3e-2 relative to the fp32 result (bf16 projections).
+    mem = NeuralMemory(32, heads=2, chunk_size=8, max_lr=0.5)
+    x = torch.randn(2, 20, 32, requires_grad=True)
+    ref, _ = mem(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, state = mem(x)
+        y.float().square().sum().backward()
+    assert state.weights[0].dtype == torch.float32
+    assert rel_err(y.float(), ref) < 3e-2
+    assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in mem.parameters())
+    mem_bf16 = NeuralMemory(32, heads=2, chunk_size=8, max_lr=0.5).bfloat16()
+    mem_bf16.load_state_dict({k: v.bfloat16() for k, v in mem.state_dict().items()})
+    y16, _ = mem_bf16(x.detach().bfloat16())
+    assert y16.dtype == torch.bfloat16 and rel_err(y16.float(), ref) < 5e-2
