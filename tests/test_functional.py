@@ -274,3 +274,23 @@ def test_weight_grad_consumer_receives_exact_blocks(kw):
     assert len(calls) > 2 and calls[0][0] == 0 and calls[-1][1] == V
     assert all(a[1] == b[0] for a, b in zip(calls, calls[1:], strict=False))  # contiguous, in order
     assert rel_err(got_w, gw) < 1e-5 and rel_err(got_b, gb) < 1e-5
+
+
+@pytest.mark.parametrize("kw", [{}, {"softcap": 200.0, "z_loss": 1e-3}, {"label_smoothing": 0.1}])
+def test_cross_entropy_exact_when_target_probability_underflows(kw):
+    # Large logits: the target's softmax probability underflows (p_t < 1e-30 for most rows), so the fused path cannot
+    # take log-sum-exp as z_t - log p_t and must recompute those rows; loss and gradients stay exact.
+    h, w, b, y = _inputs(bias=True)
+    with torch.no_grad():
+        w.mul_(30)
+    z = _ref_logits(h, w, b, kw.get("softcap"))
+    ref = F.cross_entropy(z, y, label_smoothing=kw.get("label_smoothing", 0.0))
+    if kw.get("z_loss"):
+        ref = ref + (kw["z_loss"] * torch.logsumexp(z, -1).square() * (y != -100)).sum() / (y != -100).sum()
+    p_t = torch.softmax(z, -1).gather(1, y.clamp_min(0)[:, None])[y != -100]
+    assert (p_t < 1e-30).float().mean() > 0.5  # the case under test really happens
+    out = linear_cross_entropy(h, w, y, bias=b, chunk_size=16, **kw)
+    assert rel_err(out, ref) < 1e-5
+    for a, r in zip(torch.autograd.grad(out, _params(h, w, b)), torch.autograd.grad(ref, _params(h, w, b)),
+                    strict=True):
+        assert rel_err(a, r) < 1e-5

@@ -134,6 +134,12 @@ class ForgeOptimizer(Optimizer):
         except Exception:
             return True
 
+    @property
+    def _exact_norm(self) -> bool:
+        # without clipping the norm is only logged (and checks finiteness): a fast fp32 dot is enough there;
+        # with clipping it sets the update, so it is accumulated in fp64
+        return self.max_grad_norm > 0
+
     def _hp(self, p: Tensor) -> dict[str, Any]:
         # Read the group at call time: accelerate replaces param_group dicts, the scheduler edits "lr" in place.
         return self.param_groups[self._group_index[p]]
@@ -239,7 +245,7 @@ class ForgeOptimizer(Optimizer):
     def _apply(self, p: Tensor, g: Tensor) -> None:
         """Update a hooked (non-fused) parameter from its complete gradient, then the gradient is dropped."""
         hp, st = self._hp(p), self._state(p)
-        g_sq = K.norm_sq(g)  # fp64: also the finiteness check (one pass)
+        g_sq = K.norm_sq(g, self._exact_norm)  # also the finiteness check (one pass)
         if self.max_grad_norm <= 0 or self.clip == "previous":  # the norm is logged (and used next step)
             self._norm_sq_now = self._norm_sq_now + g_sq
         if not bool(torch.isfinite(g_sq)):
@@ -278,11 +284,13 @@ class ForgeOptimizer(Optimizer):
             dy = dy * coef
             acc = None if acc is None else acc * coef
         seed = (self._group_index_pos[weight] * 1_000_003 + step * 1_009) & 0x7FFFFFFF
+        impl = self._weight_step_impl(weight)
+        extra = {"exact_norm": self._exact_norm} if impl is K.linear_weight_step else {}
         with torch.no_grad():
-            norm_sq, bad = self._weight_step_impl(weight)(
+            norm_sq, bad = impl(
                 self.rule, dy, x, weight.data, {k: v for k, v in st.items() if k != "step"}, hp, step, acc,
                 rows_per_tile=rows,
-                stochastic_rounding=self.stochastic_rounding, seed=seed,
+                stochastic_rounding=self.stochastic_rounding, seed=seed, **extra,
             )
         if self.max_grad_norm <= 0 or self.clip == "previous":
             self._norm_sq_now = self._norm_sq_now + norm_sq.double() / (coef * coef)
@@ -319,7 +327,7 @@ class ForgeOptimizer(Optimizer):
             return
         if self._mode == "skip":
             return
-        g_sq = K.norm_sq(g)
+        g_sq = K.norm_sq(g, self._exact_norm)
         if self.max_grad_norm <= 0 or self.clip == "previous":
             self._norm_sq_now = self._norm_sq_now + g_sq
         if not bool(torch.isfinite(g_sq)):
