@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -47,7 +49,8 @@ def setup(device: str, config: str, hidden: int, layers: int, vocab: int, batch:
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875) // 16 * 16,
                       num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1),
                       num_key_value_heads=max(hidden // 64, 1), max_position_embeddings=max(seq, 128))
-    model = LlamaForCausalLM(cfg).to(device)
+    with torch.device(device):  # built where it trains: a 1B model's init on the host would dominate the run
+        model = LlamaForCausalLM(cfg)
     if bf16:
         model = model.to(torch.bfloat16)
     if CONFIGS[config].get("patch"):
@@ -56,6 +59,30 @@ def setup(device: str, config: str, hidden: int, layers: int, vocab: int, batch:
     data = [{"input_ids": (ids := torch.randint(0, vocab, (seq,), generator=g).tolist()), "labels": ids}
             for _ in range(batch * steps)]
     return {"model": model, "data": data, "config": config, "batch": batch, "steps": steps, "device": device}
+
+
+STEP_TIMES: dict[str, list[float]] = {}  # config -> seconds of every step after each run's first (timing runs)
+
+
+def _step_timer(config: str, sync: bool):
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        """Times each optimizer step (forward, backward, update); the first step of a run (allocator warm-up,
+        kernel compilation) is left out."""
+
+        def on_step_begin(self, args, state, control, **kw):
+            if sync:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if sync:
+                torch.cuda.synchronize()
+            if state.global_step > 1:
+                STEP_TIMES.setdefault(config, []).append(time.perf_counter() - self.t0)
+
+    return StepTimer()
 
 
 def run(s: dict) -> None:
@@ -68,6 +95,7 @@ def run(s: dict) -> None:
     kw.update({k: v for k, v in CONFIGS[s["config"]].items() if k != "patch"})
     t = Trainer(model=s["model"], args=TrainingArguments(**kw), train_dataset=s["data"])
     t.remove_callback(PrinterCallback)
+    t.add_callback(_step_timer(s["config"], s["device"].startswith("cuda")))
     t.train()
     opt = getattr(t.optimizer, "optimizer", t.optimizer)
     if hasattr(opt, "detach"):
@@ -92,24 +120,26 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     kw = dict(hidden=a.hidden, layers=a.layers, vocab=a.vocab, batch=a.batch, seq=a.seq, steps=a.steps, bf16=a.bf16)
     cases = [Case(c, setup, run, dict(config=c, **kw)) for c in a.configs]
-    n_params = sum(p.numel() for p in setup("cpu", a.configs[0], **kw)["model"].parameters())
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in setup("meta", a.configs[0], **{**kw, "steps": 0})["model"].parameters())
     print(f"# Trainer, Llama-style {n_params / 1e6:.1f}M params, {a.steps} steps of {a.batch}x{a.seq} tokens, "
           f"{'bf16' if a.bf16 else 'fp32'} weights, {a.device}")
     print(f"# {machine(a.device)}; {versions()}\n")
     mem = {c.name: peak_added_mib(c, a.device, a.threads) for c in cases}
-    times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=0)
-    base_m, base_t = mem.get("adamw_torch"), times.get("adamw_torch")
+    time_interleaved(cases, a.device, repeats=a.repeats, warmup=0)
+    base_m = mem.get("adamw_torch")
+    base_t = statistics.median(STEP_TIMES["adamw_torch"]) if STEP_TIMES.get("adamw_torch") else None
     print("| optimizer | peak added (MiB) | vs adamw_torch | s/step (min / median) | vs adamw_torch |")
     print("|---|---:|---:|---:|---:|")
     for c in cases:
-        m, t = mem[c.name], times.get(c.name)
-        if not m["ok"] or not isinstance(t, tuple):
-            print(f"| {c.name} | — | | {m.get('error') if not m['ok'] else t} | |")
+        m, t = mem[c.name], STEP_TIMES.get(c.name)
+        if not m["ok"] or not t:
+            print(f"| {c.name} | — | | {m.get('error') if not m['ok'] else 'no timed step'} | |")
             continue
+        med = statistics.median(t)
         rm = f"{m['added_mib'] / base_m['added_mib']:.2f}x" if base_m and base_m["ok"] else ""
-        rt = f"{t[1] / base_t[1]:.2f}x" if isinstance(base_t, tuple) else ""
-        print(f"| {c.name} | {m['added_mib']:.0f} | {rm} | {t[0] / a.steps:.3f} / {t[1] / a.steps:.3f} | {rt} |",
-              flush=True)
+        rt = f"{med / base_t:.2f}x" if base_t else ""
+        print(f"| {c.name} | {m['added_mib']:.0f} | {rm} | {min(t):.3f} / {med:.3f} | {rt} |", flush=True)
     return 0
 
 

@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{dtype}, {a.device}\n# {machine(a.device)}; {versions()}\n")
     cases = [Case(peer, setup, run, dict(impl=peer, n=n, d=a.hidden, v=a.vocab, dtype=dtype)) for peer in a.peers]
     mem = {c.name: peak_added_mib(c, a.device, a.threads) for c in cases}
-    times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=0)
+    times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=1)
     ref_m, ref_t = mem.get("trl"), times.get("trl")
-    print("| peer | peak added (MiB) | vs TRL | time min / median (s) | vs TRL |\n|---|---:|---:|---:|---:|")
+    print("| peer | peak added (MiB) | vs TRL | time min / median (ms) | vs TRL |\n|---|---:|---:|---:|---:|")
     for c in cases:
         m, t = mem[c.name], times.get(c.name)
         if not m["ok"] or not isinstance(t, tuple):
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rm = f"{m['added_mib'] / ref_m['added_mib']:.2f}x" if ref_m and ref_m["ok"] else ""
         rt = f"{t[1] / ref_t[1]:.2f}x" if isinstance(ref_t, tuple) else ""
-        print(f"| {c.name} | {m['added_mib']:.0f} | {rm} | {t[0]:.2f} / {t[1]:.2f} | {rt} |", flush=True)
+        print(f"| {c.name} | {m['added_mib']:.0f} | {rm} | {t[0] * 1e3:.0f} / {t[1] * 1e3:.0f} | {rt} |", flush=True)
     return 0
 
 

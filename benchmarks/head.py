@@ -88,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     print(f"# LM head + CE forward+backward, {a.tokens} tokens, hidden {a.hidden}, {dtype}, {a.device}")
     print(f"# {machine(a.device)}; {versions()}\n")
-    print("| vocab | peer | peak added (MiB) | vs torch_lce | vs hf | time min / median (s) | time vs torch_lce |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    refs = ("torch_lce", "liger")  # the chunked peers (torch_lce needs torch >= 2.13; liger needs a GPU)
+    print("| vocab | peer | peak added (MiB) | vs torch_lce | vs liger | vs hf | time min / median (ms) "
+          "| time vs torch_lce | time vs liger |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for v in a.vocab:
         cases = [Case(peer, setup, run, dict(impl=peer, n=a.tokens, d=a.hidden, v=v, dtype=dtype)) for peer in a.peers]
         mem = {c.name: peak_added_mib(c, a.device, a.threads) for c in cases}
@@ -98,13 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             m, t = mem[c.name], times.get(c.name)
             if not m["ok"] or not isinstance(t, tuple):
                 why = m.get("error") if not m["ok"] else t
-                print(f"| {v} | {c.name} | — | | | {why} | |")
+                print(f"| {v} | {c.name} | — | | | | {why} | | |")
                 continue
-
-            rm, rt = mem.get("torch_lce"), times.get("torch_lce")
-            rh = mem.get("hf")
-            print(f"| {v} | {c.name} | {m['added_mib']:.0f} | {_ratio(m, rm)} | {_ratio(m, rh)} | "
-                  f"{t[0]:.2f} / {t[1]:.2f} | {_tratio(t, rt)} |", flush=True)
+            mr = " | ".join(_ratio(m, mem.get(r)) for r in (*refs, "hf"))
+            tr = " | ".join(_tratio(t, times.get(r)) for r in refs)
+            print(f"| {v} | {c.name} | {m['added_mib']:.0f} | {mr} | {t[0] * 1e3:.1f} / {t[1] * 1e3:.1f} | {tr} |",
+                  flush=True)
     return 0
 
 

@@ -5,8 +5,9 @@ Two tables.
 Kernel: one chunk's inner gradient plus retrieval for ``B`` independent memories (per-memory weights
 ``(B, D, H)``, ``(B, H, D)``, depth-2 GELU MLP with LayerNorm + residual): the manual kernel
 (``memgrad_hf.kernels.titans.memory_step``) against the ``torch.func.vmap(grad(...))`` reference
-(``memory_step_autograd``). ``train``: the kernel forward plus the outer backward of a random projection of its
-outputs (second-order terms to weights, gamma, keys, values, queries and lr); ``fwd``: the kernel alone under
+(``memory_step_autograd``); on CUDA also the compiled Triton twin (``kernels.titans_triton.memory_step``, what
+``NeuralMemory`` dispatches to there). ``train``: the kernel forward plus the outer backward of a random projection
+of its outputs (second-order terms to weights, gamma, keys, values, queries and lr); ``fwd``: the kernel alone under
 ``torch.no_grad()`` (inference).
 
 Layer: store + retrieve over a whole sequence, forward + backward of a random projection of the retrieved output,
@@ -33,12 +34,16 @@ import torch
 from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions
 
 KERNELS = ("manual", "autograd")
+GPU_KERNELS = ("triton", *KERNELS)  # on CUDA: the compiled Triton twin too (Triton forward, torch-twin backward)
 LAYERS = ("titans_pytorch", "memgrad", "memgrad_autograd")
 
 
 # -- kernel ----------------------------------------------------------------------------------------------------------
-def kernel_setup(device: str, impl: str, mode: str, b: int, c: int, d: int, h: int) -> dict:
+def kernel_setup(device: str, impl: str, mode: str, b: int, c: int, d: int, h: int, inner: int = 1) -> dict:
     from memgrad_hf.kernels import titans as K
+
+    if impl == "triton":
+        from memgrad_hf.kernels import titans_triton as T
 
     g = torch.Generator().manual_seed(0)
     train = mode == "train"
@@ -51,8 +56,9 @@ def kernel_setup(device: str, impl: str, mode: str, b: int, c: int, d: int, h: i
         "gamma": t(b, d, scale=0.1),
         "k": t(b, c, d), "v": t(b, c, d), "q": t(b, c, d),
         "lr": (torch.rand(b, c, generator=g) * 0.1).to(device).requires_grad_(train),
-        "step": K.memory_step if impl == "manual" else K.memory_step_autograd,
+        "step": {"manual": K.memory_step, "autograd": K.memory_step_autograd}.get(impl) or T.memory_step,
         "train": train,
+        "inner": inner,
     }
     if train:  # fixed random projections of the outputs (grads, dgamma, retrieved) for the outer backward
         s["probes"] = [torch.randn(x.shape, generator=g).to(device) for x in (*s["ws"], s["gamma"], s["q"])]
@@ -69,6 +75,12 @@ def _warm(run, s: dict, leaves: list[torch.Tensor]) -> None:
 
 
 def kernel_run(s: dict) -> None:
+    # ``inner`` calls per timed run: one GPU call is ~0.1 ms, below what a host timer around it resolves well.
+    for _ in range(s["inner"]):
+        _kernel_once(s)
+
+
+def _kernel_once(s: dict) -> None:
     args = (s["ws"], s["gamma"], s["k"], s["v"], s["lr"], s["q"], "gelu")
     if not s["train"]:
         with torch.no_grad():
@@ -135,7 +147,8 @@ def _rows(cases: list[Case], ref: str, label: str, device: str, threads: int, re
         else:
             mr = f"{m['added_mib'] / rm['added_mib']:.2f}x" if rm and rm["ok"] and rm["added_mib"] > 0 else ""
             tr = f"{t[0] / rt[0]:.2f}x / {t[1] / rt[1]:.2f}x" if isinstance(rt, tuple) else ""
-            out.append(f"| {label} | {impl} | {m['added_mib']:.1f} | {mr} | {t[0] * 1e3:.1f} / {t[1] * 1e3:.1f} | "
+            per = 1e3 / c.kwargs.get("inner", 1)  # ms per call
+            out.append(f"| {label} | {impl} | {m['added_mib']:.1f} | {mr} | {t[0] * per:.2f} / {t[1] * per:.2f} | "
                        f"{tr} |")
         print(out[-1], flush=True)
     return out
@@ -158,9 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", nargs="*", default=list(LAYERS), choices=LAYERS, help="layer peers; none to skip")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--inner", type=int, default=None, help="kernel calls per timed run (default 1 on CPU, 20 on GPU)")
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    gpu = a.device.startswith("cuda")
+    inner = a.inner or (20 if gpu else 1)
     import importlib.metadata as md
 
     try:
@@ -170,14 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# Titans memory, fp32, {a.device}; {machine(a.device)}; {versions()}{tp_version}\n")
     if a.kernel_shapes:
         print("## Kernel: one chunk, inner gradient + retrieval, depth-2 GELU MLP, per-memory weights\n")
-        print("| BxCxDxH / mode | kernel | peak added (MiB) | vs vmap(grad) | time min / median (ms) "
+        print("| BxCxDxH / mode | kernel | peak added (MiB) | vs vmap(grad) | time per call min / median (ms) "
               "| vs vmap(grad) (min / median) |")
         print("|---|---|---:|---:|---:|---:|")
         for shape in a.kernel_shapes:
             b, c, d, h = (int(v) for v in shape.split("x"))
             for mode in a.modes:
-                cases = [Case(f"{shape}/{mode}/{k}", kernel_setup, kernel_run, dict(impl=k, mode=mode, b=b, c=c, d=d,
-                                                                                     h=h)) for k in KERNELS]
+                cases = [Case(f"{shape}/{mode}/{k}", kernel_setup, kernel_run,
+                              dict(impl=k, mode=mode, b=b, c=c, d=d, h=h, inner=inner))
+                         for k in (GPU_KERNELS if gpu else KERNELS)]
                 _rows(cases, f"{shape}/{mode}/autograd", f"{shape} / {mode}", a.device, a.threads,
                       a.repeats)
         print()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
+#   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [head] [grpo] [forge]     (default: all parts)
+# Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed.
+set -u
+out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [checks titans head grpo forge]}
+shift
+parts=${*:-checks titans head grpo forge}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+status=0
+for part in $parts; do
+  echo "=== $part $(date -u +%H:%M:%S)"
+  case $part in
+    checks)
+      { python tests/optim/_triton_twin_check.py cuda || status=1
+        python tests/titans/_triton_twin_check.py cuda || status=1
+        python tests/gpu_checks.py || status=1; } 2>&1 | tee "$out/checks.md" ;;
+    titans) python -m benchmarks.titans --device cuda --repeats 10 2>&1 | tee "$out/titans.md" ;;
+    head) python -m benchmarks.head --device cuda --repeats 10 2>&1 | tee "$out/head.md" ;;
+    grpo) python -m benchmarks.grpo --device cuda --repeats 10 2>&1 | tee "$out/grpo.md" ;;
+    forge)  # ~1B Llama-style model, bf16 weights, batch 1 x 1024 tokens
+      python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
+        --seq 1024 --steps 6 --repeats 1 --configs adamw_torch adamw_torch_fused adalomo forge_adamw \
+        forge_adamw+bf16_state forge_adamw+8bit_state forge_lion forge_adamw+head forge_adamw+bf16_state+head \
+        2>&1 | tee "$out/forge.md" ;;
+    *) echo "unknown part $part"; status=1 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,152 @@
+"""Exactness on a CUDA device, end to end (``python tests/gpu_checks.py``): what CI's CPU cannot show.
+
+The compiled paths against their references, on the GPU: the chunked head (cuBLAS) against logits + HF's loss, the
+patched model's loss and gradients, FORGE in ``Trainer`` (the compiled Triton update) against ``adamw_torch``, and the
+Titans layer (compiled Triton forward) against ``vmap(grad)``. fp32 with TF32 off; one line per check, exit status 1 if
+any check fails. Not collected by pytest (CI has no GPU); the kernel-level twin checks are
+``tests/optim/_triton_twin_check.py cuda`` and ``tests/titans/_triton_twin_check.py cuda``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DEV = os.environ.get("MEMGRAD_CHECK_DEVICE", "cuda")  # "cpu" to try the script itself
+FAILED: list[str] = []
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def report(name: str, err: float, tol: float) -> None:
+    ok = err <= tol
+    print(f"{'PASS' if ok else 'FAIL'} {name}: max rel err {err:.2e} (tol {tol:.0e})", flush=True)
+    if not ok:
+        FAILED.append(name)
+
+
+def check_head(dtype: torch.dtype, tol: float) -> None:
+    from memgrad_hf.functional import linear_cross_entropy, linear_logprobs
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    n, h, v = 1000, 256, 32768
+    x = torch.randn(n, h, device=DEV, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(v, h, device=DEV, generator=g) * 0.05).to(dtype).requires_grad_()
+    y = torch.randint(0, v, (n,), device=DEV, generator=g)
+    y[::7] = -100
+    loss = linear_cross_entropy(x, w, y, label_smoothing=0.1, z_loss=1e-4)
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    z = xr @ wr.T
+    ref = F.cross_entropy(z, y, label_smoothing=0.1) + 1e-4 * (torch.logsumexp(z[y != -100], -1) ** 2).mean()
+    rx, rw = torch.autograd.grad(ref, (xr, wr))
+    name = f"head linear_cross_entropy {str(dtype)[6:]}"
+    report(f"{name} loss", rel(loss, ref), tol)
+    report(f"{name} dX", rel(gx, rx), tol * 10)
+    report(f"{name} dW", rel(gw, rw), tol * 10)
+    lp, ent = linear_logprobs(x, w, y.clamp_min(0), temperature=0.7, return_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    logp = torch.log_softmax(xr @ wr.T / 0.7, -1)
+    rlp = logp.gather(-1, y.clamp_min(0)[:, None])[:, 0]
+    rent = -(logp.exp() * logp).sum(-1)
+    report(f"head linear_logprobs {str(dtype)[6:]} logp", rel(lp, rlp), tol)
+    report(f"head linear_logprobs {str(dtype)[6:]} entropy", rel(ent, rent), tol)
+
+
+def check_patched_model() -> None:
+    import memgrad_hf
+    from tests.tiny_models import tiny_model
+
+    for family, tied in (("llama", False), ("gemma2", True), ("qwen3", False)):
+        model = tiny_model(family, tied=tied).to(DEV)
+        ref = copy.deepcopy(model)
+        memgrad_hf.patch_model(model, chunk_size=16)
+        ids = torch.randint(3, 101, (2, 24), device=DEV)
+        labels = ids.clone()
+        labels[0, :5] = -100
+        out, rout = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+        out.loss.backward()
+        rout.loss.backward()
+        err = max([rel(out.loss, rout.loss)] + [rel(p.grad, q.grad) for p, q in
+                                                zip(model.parameters(), ref.parameters(), strict=True)])
+        report(f"patch_model {family} {'tied' if tied else 'untied'} loss + every gradient", err, 1e-5)
+
+
+def check_forge_trainer() -> None:
+    from transformers import Trainer, TrainingArguments
+
+    import memgrad_hf  # noqa: F401  (registers forge_*)
+    from tests.test_trainer_integration import _data
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama").to(DEV)
+    ref = copy.deepcopy(model)
+    losses = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, m in (("forge_adamw", model), ("adamw_torch", ref)):
+            args = TrainingArguments(output_dir=f"{tmp}/{name}", max_steps=4, per_device_train_batch_size=2,
+                                     learning_rate=5e-3, logging_steps=1, save_strategy="no", report_to="none",
+                                     seed=0, data_seed=0, optim=name, lr_scheduler_type="linear", warmup_steps=2,
+                                     weight_decay=0.1, max_grad_norm=1.0, dataloader_num_workers=0,
+                                     disable_tqdm=True)
+            t = Trainer(model=m, args=args, train_dataset=_data())
+            t.train()
+            losses[name] = [h["loss"] for h in t.state.log_history if "loss" in h]
+    from memgrad_hf.kernels import backend
+
+    print(f"  (FORGE backend on {DEV}: {backend(torch.device(DEV))})")
+    err = max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    report("forge_adamw in Trainer (clipping 1.0) vs adamw_torch: weights after 4 steps", err, 1e-5)
+    lerr = max(abs(a - b) / abs(b) for a, b in zip(losses["forge_adamw"], losses["adamw_torch"], strict=True))
+    report("forge_adamw vs adamw_torch: logged losses", lerr, 1e-5)
+
+
+def check_titans() -> None:
+    from memgrad_hf.titans import NeuralMemory
+
+    torch.manual_seed(0)
+    mem = NeuralMemory(64, heads=4, dim_head=16, depth=2, chunk_size=16).to(DEV)
+    ref = copy.deepcopy(mem)
+    ref.grad_impl = "autograd"
+    x = torch.randn(2, 100, 64, device=DEV)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = mem(x1)[0], ref(x2)[0]
+    probe = torch.randn_like(y1)
+    (y1 * probe).sum().backward()
+    (y2 * probe).sum().backward()
+    err = max([rel(y1, y2), rel(x1.grad, x2.grad)] + [rel(p.grad, q.grad) for p, q in
+                                                      zip(mem.parameters(), ref.parameters(), strict=True)])
+    report("titans NeuralMemory (Triton forward) vs vmap(grad): output, input and every parameter gradient", err, 1e-4)
+
+
+def main() -> int:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    name = torch.cuda.get_device_name(0) if DEV.startswith("cuda") else "CPU"
+    print(f"# {name}, torch {torch.__version__}", flush=True)
+    checks = [lambda: check_head(torch.float32, 1e-5), lambda: check_head(torch.bfloat16, 2e-2), check_patched_model,
+              check_forge_trainer, check_titans]
+    for c in checks:
+        try:
+            c()
+        except Exception:
+            traceback.print_exc()
+            FAILED.append(getattr(c, "__name__", "check"))
+    print(f"{len(FAILED)} failed: {FAILED}" if FAILED else "all passed")
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
