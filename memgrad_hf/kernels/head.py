@@ -88,6 +88,19 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, ep: Epilogue, 
     return apply_epilogue_(out, ep)
 
 
+def _mm_f32(a: Tensor, b: Tensor, acc: Tensor | None = None) -> Tensor:
+    """``a @ b`` (``+ acc``) accumulated and returned in fp32, for low-precision ``a``, ``b``: the exact products of
+    the rounded operands, as autograd's own GEMM computes them. On CUDA one tensor-core GEMM with fp32 output (no
+    upcast copies, no fp32 GEMM); elsewhere fp32 copies of the operands."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        if acc is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    if acc is None:
+        return a.float() @ b.float()
+    return acc.addmm_(a.float(), b.float())
+
+
 @dataclass
 class Stats:
     """Per-token statistics of the logits ``z`` (all fp32, shape ``[N]``)."""
@@ -316,6 +329,9 @@ def head_backward(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Recompute the logits chunk by chunk and return ``(dX, dW, db)`` for the per-token coefficients."""
     n, vocab = hidden.shape[0], weight.shape[0]
+    if need_dw and weight.dtype != accum_dtype:
+        return _backward_low_precision(hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta,
+                                       need_dx=need_dx, need_db=need_db)
     dx = torch.empty_like(hidden) if need_dx else None
     dw = _dw_buffer(weight, n, accum_dtype) if need_dw else None
     db = torch.zeros(vocab, dtype=accum_dtype, device=weight.device) if need_db else None
@@ -334,6 +350,25 @@ def head_backward(
                                     part(delta, s, e), dcap, ep, factor_rows=weight.dtype == torch.float32)
         del dcap
         _accumulate(du, rows, h, weight, part(dx, s, e), dw, db, first=s == 0)
+    return dx, dw, db
+
+
+def _backward_low_precision(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor,
+                            ep: Epilogue, alpha: Tensor, beta: Tensor | None, gamma: Tensor | None,
+                            delta: Tensor | None, *, need_dx: bool, need_db: bool):
+    """``head_backward`` for low-precision weights with an fp32 weight-gradient accumulator, in vocabulary blocks:
+    each block's ``dW`` is summed over every token in fp32 and rounded once into the weight's dtype (as autograd's
+    single GEMM does), so no fp32 ``[vocab x hidden]`` accumulator (4·V·H bytes) nor its final copy ever exists."""
+    dw = torch.empty_like(weight)
+    db = torch.empty_like(bias) if need_db and bias is not None else None
+
+    def keep(v0: int, v1: int, dw_blk: Tensor, db_blk: Tensor | None) -> None:
+        dw[v0:v1] = dw_blk
+        if db is not None:
+            db[v0:v1] = db_blk
+
+    dx, _ = head_backward_vocab_blocks(hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta, keep,
+                                       need_dx=need_dx, need_db=db is not None)
     return dx, dw, db
 
 
@@ -376,9 +411,9 @@ def head_backward_vocab_blocks(
                                 factor_rows=False, target_rows=rows_in)
         du = p if not lp else p.to(weight.dtype)
         if dx is not None:
-            dx.addmm_(du.float() if lp else du, w_blk.float() if lp else w_blk)
-        dw_blk = (du.t() @ hidden).to(weight.dtype) if not lp else (du.t().float() @ hidden.float()).to(weight.dtype)
-        db_blk = du.sum(0).to(bias.dtype) if (need_db and bias is not None) else None
+            _mm_f32(du, w_blk, dx) if lp else dx.addmm_(du, w_blk)
+        dw_blk = (du.t() @ hidden) if not lp else _mm_f32(du.t(), hidden).to(weight.dtype)
+        db_blk = du.sum(0, dtype=torch.float32).to(bias.dtype) if (need_db and bias is not None) else None
         del p, z, dcap
         on_weight_block(v0, v1, dw_blk, db_blk)
     return (None if dx is None else dx.to(hidden.dtype)), None

@@ -206,7 +206,7 @@ class ForgeOptimizer(Optimizer):
     def _norm_pass(self, loss: Tensor, grad: Tensor) -> None:
         """Backward through the graph once computing only gradient norms; sets the clip coefficient."""
         self._mode = "norm"
-        self._norm_sq = torch.zeros((), dtype=torch.float64)
+        self._norm_sq = torch.zeros((), dtype=torch.float64, device=loss.device)  # summed on the device: no syncs
         self._stash = {p: p.grad for p in self._group_index if p.grad is not None and p not in self._fused}
         for p in self._stash:
             p.grad = None
