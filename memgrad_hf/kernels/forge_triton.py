@@ -1,6 +1,10 @@
 """Triton twin of :func:`memgrad_hf.kernels.forge.linear_weight_step`: each program computes one ``dW`` tile in
-registers (``Σ_k dYᵀ·X`` over all tokens, IEEE fp32 dots) and applies AdamW or Lion to that tile of the weight and
+registers (``Σ_k dYᵀ·X`` over all tokens, fp32 accumulation) and applies AdamW or Lion to that tile of the weight and
 its state in the epilogue. ``dW`` is never written to memory. The caller computes ``dX`` first (old weights).
+
+fp32 activations take IEEE fp32 dots (what torch's fp32 GEMM computes, TF32 off); bf16/fp16 activations go to the
+tensor cores as they are, with fp32 accumulation: the exact products of the rounded operands, as cuBLAS computes the
+weight gradient of a bf16 ``nn.Linear``.
 
 Tested against the torch twin under ``TRITON_INTERPRET=1``; on a GPU it is selected by
 :func:`memgrad_hf.kernels.backend`.
@@ -8,6 +12,7 @@ Tested against the torch twin under ``TRITON_INTERPRET=1``; on a GPU it is selec
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -17,12 +22,21 @@ from torch import Tensor
 
 
 @triton.jit
+def _round_bf16(x):
+    """fp32 -> nearest bf16 (ties to even), returned as fp32: bit arithmetic, so compiled and interpreted agree."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _forge_linear_kernel(
     dy_ptr, x_ptr, w_ptr, m_ptr, v_ptr, acc_ptr, norm_ptr, bad_ptr,
     N, OUT, IN,
     s_dyn, s_dyo, s_xn, s_xi, s_wo, s_wi,
     lr, beta1, beta2, eps, wd, bc1, bc2_sqrt,
-    HAS_ACC: tl.constexpr, IS_LION: tl.constexpr,
+    HAS_ACC: tl.constexpr, IS_LION: tl.constexpr, LOWP: tl.constexpr, IS_BF16: tl.constexpr, W_BF16: tl.constexpr,
+    TENSOR_CORES: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -36,10 +50,19 @@ def _forge_linear_kernel(
         ks = k0 + tl.arange(0, BK)
         kmask = ks < N
         dyt = tl.load(dy_ptr + ks[None, :] * s_dyn + rows[:, None] * s_dyo,
-                      mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)  # [BM, BK] = dYᵀ
+                      mask=rmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK] = dYᵀ
         xt = tl.load(x_ptr + ks[:, None] * s_xn + cols[None, :] * s_xi,
-                     mask=kmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)  # [BK, BN]
-        g = tl.dot(dyt, xt, g, input_precision="ieee")
+                     mask=kmask[:, None] & cmask[None, :], other=0.0)  # [BK, BN]
+        if TENSOR_CORES:
+            g = tl.dot(dyt, xt, g)
+        else:
+            g = tl.dot(dyt.to(tl.float32), xt.to(tl.float32), g, input_precision="ieee")
+    # The gradient a bf16/fp16 linear layer gets from autograd is rounded to its dtype (the twin's too). bf16:
+    # round-to-nearest-even on the bits (the interpreter's cast truncates; this is the same compiled or not).
+    if LOWP and IS_BF16:
+        g = _round_bf16(g)
+    elif LOWP:
+        g = g.to(dy_ptr.dtype.element_ty).to(tl.float32)
     mask = rmask[:, None] & cmask[None, :]
     offs = rows[:, None] * s_wo + cols[None, :] * s_wi
     if HAS_ACC:
@@ -64,6 +87,8 @@ def _forge_linear_kernel(
             w = w + tl.div_rn(-(lr / bc1) * m, denom)
             tl.store(v_ptr + offs, v, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
+        if W_BF16:
+            w = _round_bf16(w)
         tl.store(w_ptr + offs, w.to(w_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(bad_ptr, 1)
@@ -94,13 +119,20 @@ def linear_weight_step(
         raise ValueError("the Triton FORGE kernel takes contiguous weights and fp32 optimizer state")
     norm = torch.zeros((), dtype=torch.float32, device=w.device)
     bad = torch.zeros((), dtype=torch.int32, device=w.device)
-    bm, bn, bk = 32, 32, 32
+    lowp = dy.dtype in (torch.bfloat16, torch.float16) and x.dtype == dy.dtype
+    # 64x64 tiles: a few thousand programs for an LLM's projections, and the epilogue's weight + state tiles
+    # stay in registers; K steps of 64 for tensor-core dots, 32 for the register-heavier fp32 ones.
+    bm, bn, bk = 64, 64, 64 if lowp else 32
     grid = (triton.cdiv(out_f, bm), triton.cdiv(in_f, bn))
     _forge_linear_kernel[grid](
         dy, x, w, m, v, acc if acc is not None else w, norm, bad,
         n, out_f, in_f,
         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         float(lr), float(b1), float(b2), float(eps), float(wd), float(1 - b1**step), float((1 - b2**step) ** 0.5),
-        HAS_ACC=acc is not None, IS_LION=rule == "lion", BM=bm, BN=bn, BK=bk,
+        HAS_ACC=acc is not None, IS_LION=rule == "lion", LOWP=lowp, IS_BF16=dy.dtype == torch.bfloat16,
+        W_BF16=w.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk,
+        # the interpreter's dot misreads bf16 operands; upcast there (exact products, the same fp32 sums)
+        TENSOR_CORES=lowp and os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=4, num_stages=3,
     )
     return norm, bad
