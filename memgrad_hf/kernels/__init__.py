@@ -53,13 +53,15 @@ def head_impl(device: torch.device | str | None = None):
 
 
 def titans_step_impl(device: torch.device | str | None = None):
-    """The Titans ``memory_step`` for tensors on ``device``: the Triton twin
-    (:func:`memgrad_hf.kernels.titans_triton.memory_step`, Triton forward, torch-twin backward) where
-    :func:`backend` says ``"triton"``, else the torch one (:func:`memgrad_hf.kernels.titans.memory_step`).
+    """The Titans ``memory_step`` for tensors on ``device``: the torch manual kernel
+    (:func:`memgrad_hf.kernels.titans.memory_step`) on every device, unless ``MEMGRAD_BACKEND=triton`` asks for the
+    Triton twin (:func:`memgrad_hf.kernels.titans_triton.memory_step`, Triton forward, torch-twin backward).
 
-    Both have the same signature and return values. Imported lazily so CPU-only installs never import Triton.
+    Measured on an H100 (benchmarks/RESULTS.md, 2026-11-22): the Triton twin, one program per memory, is no faster
+    than the torch kernel's batched cuBLAS GEMMs at D=64 and 2.2x slower at D=128, so it is opt-in. Both have the
+    same signature and return values. Imported lazily so CPU-only installs never import Triton.
     """
-    if backend(device) == "triton":
+    if os.environ.get("MEMGRAD_BACKEND", "").strip().lower() == "triton" and backend(device) == "triton":
         from memgrad_hf.kernels.titans_triton import memory_step
     else:
         from memgrad_hf.kernels.titans import memory_step

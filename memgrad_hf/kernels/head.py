@@ -173,19 +173,16 @@ def _grad_from_probs(
     dcap: Tensor | None,
     ep: Epilogue,
     factor_rows: bool,
-    target_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Turn the softmax ``p`` of a chunk into ``dL/du`` in place (``u`` = pre-epilogue logits).
-
-    ``target_rows``: for a block of vocabulary columns, the rows whose target falls inside it (``t`` then holds
-    those targets' columns within the block); by default every row's target ``t`` is a column of ``p``.
+    """Turn the softmax ``p`` of a chunk into ``dL/du`` in place (``u`` = pre-epilogue logits); every row's target
+    ``t`` is a column of ``p`` (for a vocabulary block, callers zero ``gamma`` where the target lies outside).
 
     Returns ``(du, rows)``: if ``rows`` is not None the true gradient is ``rows[:, None] * du``. Pulling the
     per-token factor ``alpha`` out of the ``[chunk x vocab]`` block (it is applied to the small ``[chunk x hidden]``
     GEMM operands instead) saves a full pass over the block; done only where exact (``alpha`` has no zero, no
     entropy term) and when the caller's GEMMs run in fp32.
     """
-    if beta is None and factor_rows and target_rows is None and bool((alpha != 0).all()):
+    if beta is None and factor_rows and bool((alpha != 0).all()):
         rows = alpha * ep.inp if dcap is None else alpha
         if gamma is not None:
             p.scatter_add_(1, t[:, None], (gamma / alpha)[:, None])
@@ -201,10 +198,8 @@ def _grad_from_probs(
         del plogp
     else:
         p.mul_(alpha[:, None])
-    if gamma is not None and target_rows is None:
+    if gamma is not None:
         p.scatter_add_(1, t[:, None], gamma[:, None])
-    elif gamma is not None:
-        p.index_put_((target_rows, t), gamma[target_rows], accumulate=True)
     if delta is not None:
         p.add_(delta[:, None])
     if dcap is not None:
@@ -406,9 +401,12 @@ def head_backward_vocab_blocks(
         z = _chunk_logits(hidden, w_blk, None if bias is None else bias[v0:v1], ep, None)
         dcap = _cap_derivative(z, ep)
         p = z.sub_(lse[:, None]).exp_()
-        rows_in = ((targets >= v0) & (targets < v1)).nonzero().squeeze(1)
-        p, _ = _grad_from_probs(p, targets[rows_in] - v0, lse, alpha, beta, gamma, delta, dcap, ep,
-                                factor_rows=False, target_rows=rows_in)
+        # the target term only for rows whose target is in this block: a masked scatter (adds 0.0 elsewhere,
+        # exactly) instead of gathering those rows, which would cost a device-to-host sync per block
+        inside = (targets >= v0) & (targets < v1)
+        g_blk = None if gamma is None else gamma * inside
+        p, _ = _grad_from_probs(p, (targets - v0).clamp_(0, v1 - v0 - 1), lse, alpha, beta, g_blk, delta, dcap, ep,
+                                factor_rows=False)
         du = p if not lp else p.to(weight.dtype)
         if dx is not None:
             _mm_f32(du, w_blk, dx) if lp else dx.addmm_(du, w_blk)

@@ -23,7 +23,8 @@ terms of the inner loss) are exact and the twin is a drop-in for training; with 
 keeps its graph to the original inputs, so double backward is exact too.
 
 On CPU the kernel runs only under ``TRITON_INTERPRET=1`` (slowly; used by the tests). On a GPU it is selected by
-:func:`memgrad_hf.kernels.titans_step_impl`.
+:func:`memgrad_hf.kernels.titans_step_impl` when ``MEMGRAD_BACKEND=triton`` (opt-in: slower than the torch kernel on an
+H100 at D >= 128, see benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
