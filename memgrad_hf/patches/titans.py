@@ -20,8 +20,13 @@ How it works (no decoder layer is replaced, so the original weights keep their `
    the branch parameters are saved by ``save_pretrained`` under ``<layers>.<i>.titans_memory.*``.
    :mod:`memgrad_hf.titans.io` loads them back.
 
-Limits (documented, not detected): left padding and packed sequences feed pad tokens / other documents into the
-memory (``NeuralMemory`` has no store mask yet), so batched generation should use equal-length prompts.
+6. Padding. The model's 2-D ``attention_mask`` (read by a forward pre-hook on the patched model) becomes each
+   memory's store mask: padded positions never reach the memory (``NeuralMemory(mask=...)``), so left-padded batched
+   ``generate()`` works. With padding a multiple of ``chunk_size`` a sequence's outputs equal its unpadded run;
+   otherwise its chunk boundaries shift with the padding (the memory is then as valid, just chunked differently).
+
+Limits (documented, not detected): packed sequences (several documents in one row) share one memory; the memory
+is not reset at document boundaries.
 """
 
 from __future__ import annotations
@@ -56,6 +61,14 @@ class TitansPatch:
     layers_path: str  # e.g. "model.layers"
     had_config_attr: bool
     previous_config_value: Any
+    hook_ids: tuple[int, ...] = ()  # the attention-mask hooks on the model (ids survive deepcopy; handles do not)
+    store_mask: _StoreMask | None = None
+
+
+class _StoreMask:
+    """The padding mask of the model call in flight, shared by the model's hooks and its patched layers."""
+
+    mask: Tensor | None = None
 
 
 @dataclass
@@ -67,6 +80,7 @@ class _LayerInfo:
     had_instance_forward: bool
     previous_forward: Any
     cache_pos: int | None  # its positional index (self excluded), if it can be passed positionally
+    store_mask: _StoreMask | None = None
 
 
 @dataclass
@@ -296,11 +310,12 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     else:
         out = type(self).forward(self, *args, **kwargs)
     branch = getattr(self, BRANCH_ATTR)
+    mask = _layer_mask(info, x)
     if checkpointing and cache is None and callable(getattr(self, "_gradient_checkpointing_func", None)):
-        delta = self._gradient_checkpointing_func(lambda h: branch(h, None)[0], x)
+        delta = self._gradient_checkpointing_func(lambda h: branch(h, None, mask)[0], x)
         new_state = None
     else:
-        delta, new_state = branch(x, state)
+        delta, new_state = branch(x, state, mask)
     if entry is not None:
         entry.state = new_state
     hidden = out if isinstance(out, Tensor) else out[0] if isinstance(out, (tuple, list)) else None
@@ -313,6 +328,47 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if isinstance(out, Tensor):
         return hidden
     return [hidden, *out[1:]] if isinstance(out, list) else (hidden, *out[1:])
+
+
+def _layer_mask(info: _LayerInfo, x: Tensor) -> Tensor | None:
+    """The store mask of this layer call's tokens: the last ``T`` columns of the model's 2-D attention mask."""
+    mask = None if info.store_mask is None else info.store_mask.mask
+    if mask is None or mask.shape[0] != x.shape[0] or mask.shape[1] < x.shape[1]:
+        return None
+    return mask[:, mask.shape[1] - x.shape[1]:]
+
+
+def _install_mask_hooks(model: nn.Module, holder: _StoreMask) -> tuple[int, ...]:
+    """Hooks that hand the model call's 2-D ``attention_mask`` to the memory branches (None when it has no zero:
+    the unmasked memory path then runs, one host sync per model call)."""
+    try:
+        params = [p.name for p in inspect.signature(model.forward).parameters.values()]
+    except (TypeError, ValueError):
+        params = []
+    pos = params.index("attention_mask") if "attention_mask" in params else None
+
+    def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        m = kwargs.get("attention_mask")
+        if m is None and pos is not None and len(args) > pos:
+            m = args[pos]
+        ok = isinstance(m, Tensor) and m.dim() == 2 and not bool(m.all())
+        holder.mask = m if ok else None
+
+    def release(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        holder.mask = None
+
+    pre = model.register_forward_pre_hook(grab, with_kwargs=True)
+    post = model.register_forward_hook(release, with_kwargs=True, always_call=True)
+    return pre.id, post.id
+
+
+def _remove_hooks(model: nn.Module, ids: tuple[int, ...]) -> None:
+    for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        table = getattr(model, name, None)
+        if isinstance(table, dict):
+            for i in ids:
+                table.pop(i, None)
 
 
 def _branch_heads(self: nn.Module) -> int:
@@ -406,6 +462,7 @@ def inject_titans(model: nn.Module, titans: TitansConfig | dict[str, Any]) -> nn
         if ref is not None:
             branch.to(device=ref.device, dtype=ref.dtype)
         branches[i] = branch
+    holder = _StoreMask()
     for i, branch in branches.items():
         layer = layers[i]
         had = "forward" in layer.__dict__
@@ -414,14 +471,15 @@ def inject_titans(model: nn.Module, titans: TitansConfig | dict[str, Any]) -> nn
         if cache_pos is not None and not had:
             cache_pos -= 1  # the class forward's signature includes self
         layer.add_module(BRANCH_ATTR, branch)
-        setattr(layer, _LAYER_ATTR, _LayerInfo(i, _cache_layer_index(layer, i), had, previous, cache_pos))
+        setattr(layer, _LAYER_ATTR, _LayerInfo(i, _cache_layer_index(layer, i), had, previous, cache_pos, holder))
         layer.forward = types.MethodType(_patched_layer_forward, layer)
     model_config = getattr(model, "config", None)
     had_attr = model_config is not None and CONFIG_ATTR in getattr(model_config, "__dict__", {})
     previous_value = getattr(model_config, CONFIG_ATTR, None) if had_attr else None
     if model_config is not None:
         setattr(model_config, CONFIG_ATTR, config.to_dict())
-    setattr(model, _MODEL_ATTR, TitansPatch(config, path, had_attr, previous_value))
+    hook_ids = _install_mask_hooks(model, holder)
+    setattr(model, _MODEL_ATTR, TitansPatch(config, path, had_attr, previous_value, hook_ids, holder))
     return model
 
 
@@ -451,6 +509,7 @@ def remove_titans(model: nn.Module) -> nn.Module:
             setattr(model_config, CONFIG_ATTR, patch.previous_config_value)
         elif CONFIG_ATTR in getattr(model_config, "__dict__", {}):
             delattr(model_config, CONFIG_ATTR)
+    _remove_hooks(model, patch.hook_ids)
     delattr(model, _MODEL_ATTR)
     return model
 

@@ -22,7 +22,8 @@ class GatedMemoryBranch(nn.Module):
         dim: the decoder's hidden size.
         **memory_kwargs: passed to :class:`~memgrad_hf.titans.NeuralMemory` (e.g. ``TitansConfig.memory_kwargs()``).
 
-    ``forward(x, state=None) -> (delta, state)``: ``delta`` has the shape of ``x`` and is added to the layer's output.
+    ``forward(x, state=None, mask=None) -> (delta, state)``: ``delta`` has the shape of ``x`` and is added to the
+    layer's output; ``mask`` ``(batch, tokens)`` is the memory's store mask (0 = padding).
 
     Example::
 
@@ -37,6 +38,7 @@ class GatedMemoryBranch(nn.Module):
         self.out = nn.Linear(dim, dim, bias=False)
         nn.init.zeros_(self.out.weight)
 
-    def forward(self, x: Tensor, state: NeuralMemState | None = None) -> tuple[Tensor, NeuralMemState]:
-        retrieved, state = self.memory(x, state)
+    def forward(self, x: Tensor, state: NeuralMemState | None = None, mask: Tensor | None = None,
+                ) -> tuple[Tensor, NeuralMemState]:
+        retrieved, state = self.memory(x, state, mask)
         return torch.sigmoid(self.gate(x)) * self.out(retrieved), state

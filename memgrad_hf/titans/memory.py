@@ -11,6 +11,10 @@ associative loss ``lr_t * mean_d (M(k_t) - v_t)^2``, chunk by chunk. For chunk `
 Processing a sequence in segments of any length gives the same result as in one call: tokens that do not fill a
 chunk wait in the state (:class:`NeuralMemState`) and join the next segment's first chunk. That is what makes
 token-by-token cached generation equal the uncached forward.
+
+A store mask (``forward(x, mask=...)``, 0 for padding) keeps tokens out of the memory: they get learning rate 0 and
+no weight in their chunk's gate averages, and a chunk in which a sequence has no token leaves that sequence's
+memory and momentum as they were. Nothing a masked token holds reaches any other token's output or the state.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ class NeuralMemState:
 
     ``weights``/``gamma``: the memory after the last complete chunk; ``momentum``: the surprise ``S`` for each of
     them (``None`` when momentum is off); ``pending``: the per-token store inputs ``(keys, values, lr, eta_logit,
-    alpha_logit)`` of the tokens that have not filled a chunk yet; ``seq_index``: tokens seen so far.
+    alpha_logit)`` of the tokens that have not filled a chunk yet, plus their store mask once the sequence has used
+    one (a masked sequence stays masked: later segments without a mask count as all ones); ``seq_index``: tokens
+    seen so far.
     """
 
     weights: tuple[Tensor, ...]
@@ -96,9 +102,10 @@ class NeuralMemory(nn.Module):
         max_lr: the per-token learning rate is ``max_lr * sigmoid(w . x)``.
         fan: create a :class:`~memgrad_hf.titans.FAN` (trained by distillation against the exact gradient).
 
-    ``forward(x, state=None)`` takes ``x`` of shape ``(batch, tokens, dim)`` and returns ``(retrieved, state)``;
-    ``state=None`` starts from the learned initial memory. ``exact_grad_calls`` counts exact inner-gradient kernel
-    calls (chunks x calls).
+    ``forward(x, state=None, mask=None)`` takes ``x`` of shape ``(batch, tokens, dim)`` and returns
+    ``(retrieved, state)``; ``state=None`` starts from the learned initial memory; ``mask`` ``(batch, tokens)``
+    (1 = store, 0 = padding) keeps tokens out of the memory (see the module docstring). ``exact_grad_calls``
+    counts exact inner-gradient kernel calls (chunks x calls).
 
     Example::
 
@@ -210,16 +217,23 @@ class NeuralMemory(nn.Module):
             retrieved = self.fan.observe(weights, gamma, k, v, lr, grads, self.activation, attach_to=retrieved)
         return grads, dgamma, retrieved
 
-    def forward(self, x: Tensor, state: NeuralMemState | None = None) -> tuple[Tensor, NeuralMemState]:
+    def forward(self, x: Tensor, state: NeuralMemState | None = None, mask: Tensor | None = None,
+                ) -> tuple[Tensor, NeuralMemState]:
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"NeuralMemory: expected x of shape (batch, tokens, {self.dim}); got {tuple(x.shape)}.")
         b, t, _ = x.shape
+        if mask is not None and tuple(mask.shape) != (b, t):
+            raise ValueError(f"NeuralMemory: mask must have shape (batch, tokens) = {(b, t)}; got {tuple(mask.shape)}.")
         if state is None:
             state = self.initial_state(b, x.device, x.dtype)
         # The norms through K.rms_norm (same math as nn.RMSNorm / F.rms_norm; fewer passes and saved bytes on CPU).
         q = K.rms_norm(self._split_heads(self.to_queries(K.rms_norm(x, self.retrieve_norm.weight,
                                                                      self.retrieve_norm.eps))))
         new = self._store_inputs(x)
+        if mask is not None or len(state.pending) == 6:  # masked: the mask rides along as a sixth store input
+            m = x.new_ones(b * self.heads, t) if mask is None else mask.to(x.dtype).repeat_interleave(self.heads, 0)
+            k, v, lr, eta_logit, alpha_logit = new
+            new = (k, v, lr * m, eta_logit, alpha_logit, m)
         if torch.is_autocast_enabled(x.device.type):
             # The projections ran in the autocast dtype; the memory's own gradient descent (a recurrence over chunks)
             # runs in its parameters' dtype, as autocast keeps norms and reductions in fp32.
@@ -235,23 +249,33 @@ class NeuralMemory(nn.Module):
               ) -> tuple[Tensor, NeuralMemState]:
         """Store and retrieve chunk by chunk; returns the retrieval ``(b, t, heads * dim_head)`` and the state."""
         r, c = state.pending[0].shape[1], self.chunk_size
+        pend = state.pending
+        masked = len(new) == 6
+        if masked and len(pend) == 5:  # the first masked segment of a sequence: its pending tokens were all stored
+            pend = (*pend, pend[2].new_ones(pend[2].shape))
         if r:  # prepend the tokens still waiting for a full chunk (a copy of each store input: only when needed)
-            new = tuple(torch.cat([p, n], dim=1) for p, n in zip(state.pending, new, strict=True))
+            new = tuple(torch.cat([p, n], dim=1) for p, n in zip(pend, new, strict=True))
             # Queries aligned with the combined (pending + new) stream; the r pending tokens were answered before.
             q = F.pad(q, (0, 0, r, 0))
-        k, v, lr, eta_logit, alpha_logit = new
+        k, v, lr, eta_logit, alpha_logit = new[:5]
         n_full = (r + t) // c
         full = n_full * c
         # Chunk views from one split per tensor: its backward is one concatenation, where per-chunk slices would each
         # zero-fill a gradient buffer of the whole sequence (quadratic in the number of chunks).
         ks, vs, lrs, qs = (z.split(c, dim=1) for z in (k, v, lr, q))
+        chunk_mean = lambda z: z[:, :full].unflatten(1, (n_full, c)).mean(2)
+        empty = None  # masked: (G, n_full) bool, the chunks in which a memory stores nothing
+        if masked and n_full:
+            m = new[5][:, :full].unflatten(1, (n_full, c))
+            count = m.sum(2)
+            empty = count == 0
+            chunk_mean = lambda z: (z[:, :full].unflatten(1, (n_full, c)) * m).sum(2) / count.clamp_min(1)
         # Momentum and forgetting gates of every chunk and head at once, as (G, 1, ..) broadcast views per chunk.
         etas = keeps = None
         if self.use_momentum and n_full:
-            etas = torch.sigmoid(eta_logit[:, :full].unflatten(1, (n_full, c)).mean(2))[..., None, None].unbind(1)
+            etas = torch.sigmoid(chunk_mean(eta_logit))[..., None, None].unbind(1)
         if self.use_forget and n_full:
-            keeps = (1 - torch.sigmoid(alpha_logit[:, :full].unflatten(1, (n_full, c)).mean(2)))[..., None, None]
-            keeps = keeps.unbind(1)
+            keeps = (1 - torch.sigmoid(chunk_mean(alpha_logit)))[..., None, None].unbind(1)
         weights, gamma = state.weights, state.gamma
         # The recurrence runs on P = -S (momentum of the gradient rather than of the surprise): P_n = eta P + g is one
         # fused op per tensor, and W_n = keep W - P one more; the state carries S, negated back at the end.
@@ -262,7 +286,17 @@ class NeuralMemory(nn.Module):
             outs.append(retrieved)
             eta = None if mom is None else etas[n]
             keep = None if keeps is None else keeps[n]
-            weights, gamma, mom = _update((*weights, gamma), mom, (*grads, dgamma), eta, keep, owned=n > 0)
+            if empty is None:
+                weights, gamma, mom = _update((*weights, gamma), mom, (*grads, dgamma), eta, keep, owned=n > 0)
+                continue
+            old = (*weights, gamma), mom
+            weights, gamma, mom = _update((*weights, gamma), mom, (*grads, dgamma), eta, keep, owned=False)
+            skip = empty[:, n, None, None]  # (G, 1, 1): nothing stored here, so this memory stays as it was
+            weights, gamma = (tuple(torch.where(_bcast(skip, w), w0, w) for w0, w in zip(old[0][:-1], weights,
+                                                                                        strict=True)),
+                              torch.where(_bcast(skip, gamma), old[0][-1], gamma))
+            if mom is not None:
+                mom = tuple(torch.where(_bcast(skip, p), p0, p) for p0, p in zip(old[1], mom, strict=True))
         if r + t > full:
             outs.append(K.memory_forward(list(weights), gamma, qs[n_full], self.activation))
         if outs:
@@ -271,6 +305,6 @@ class NeuralMemory(nn.Module):
             y = y.reshape(b, t, -1)
         else:
             y = q.new_zeros(b, t, self.heads * self.dim_head)
-        pending = tuple(p[:, full:] for p in (k, v, lr, eta_logit, alpha_logit))
+        pending = tuple(p[:, full:] for p in new)
         mom = None if mom is None else tuple(-p for p in mom)
         return y, NeuralMemState(weights, gamma, mom, pending, state.seq_index + t)

@@ -320,3 +320,40 @@ def test_bad_arguments():
 
     with pytest.raises(UnsupportedModelError, match="NoLayers"):
         memgrad_hf.patch_model(NoLayers(), head=False, titans=TitansConfig())
+
+
+def _left_pad(seqs, pad=0):
+    n = max(len(s) for s in seqs)
+    ids = torch.tensor([[pad] * (n - len(s)) + s for s in seqs])
+    mask = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs])
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_left_padded_batched_generate_equals_each_prompt_alone(family):
+    # padding of a whole chunk (4 tokens) keeps the chunk grid: each row must equal its prompt generated alone
+    model = _activate(_patched(family, layers=(0, 1)))
+    short, long = _ids(1, 3, seed=5)[0].tolist(), _ids(1, 7, seed=6)[0].tolist()
+    ids, mask = _left_pad([short, long])
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    batched = model.generate(ids, attention_mask=mask, **kw)
+    for row, prompt in zip(batched, (short, long), strict=True):
+        alone = model.generate(torch.tensor([prompt]), **kw)[0]
+        assert row[-8:].tolist() == alone[-8:].tolist()
+    # cached == uncached with padding too
+    assert torch.equal(batched, model.generate(ids, attention_mask=mask, use_cache=False, **kw))
+
+
+def test_padding_content_never_reaches_the_memory():
+    # padding not a multiple of the chunk size: the pads' token ids must still not change any real token's logits
+    model = _activate(_patched("llama", layers=(0, 1)))
+    ids, mask = _left_pad([_ids(1, 4, seed=7)[0].tolist(), _ids(1, 9, seed=8)[0].tolist()])
+    other = ids.clone()
+    other[mask == 0] = 17
+    with torch.no_grad():
+        a = model(ids, attention_mask=mask).logits
+        b = model(other, attention_mask=mask).logits
+        assert torch.allclose(a[mask == 1], b[mask == 1], atol=1e-6, rtol=0)
+        # the memory reads the mask through the model's hook; once unpatched, nothing is left behind
+        memgrad_hf.unpatch_model(model)
+        assert not model._forward_pre_hooks and not model._forward_hooks
