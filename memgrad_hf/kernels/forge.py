@@ -150,8 +150,10 @@ def state_slice(st: dict[str, Tensor], names: tuple[str, ...], r0: int, r1: int)
 
 
 # Updates run on row blocks of about this many fp32 bytes: the rule's temporaries, the fp32 copies of reduced-
-# precision state and the rounding noise then stay small (and cache-resident) instead of tile-sized.
+# precision state and the rounding noise then stay small (and cache-resident) instead of tile-sized. On a GPU, where
+# each block costs kernel launches rather than cache misses, blocks are larger.
 SUB_BLOCK_BYTES = 1 << 20
+GPU_SUB_BLOCK_BYTES = 16 << 20
 
 
 def apply_rule(
@@ -177,7 +179,8 @@ def apply_rule(
     update, names = RULES[rule]
     if p.dim() == 0:
         p, g, st = p.view(1), g.reshape(1), {k: v.view(1) for k, v in st.items()}
-    rows = max(1, SUB_BLOCK_BYTES // max(4 * (p.numel() // max(p.shape[0], 1)), 1))
+    limit = GPU_SUB_BLOCK_BYTES if p.is_cuda else SUB_BLOCK_BYTES
+    rows = max(1, limit // max(4 * (p.numel() // max(p.shape[0], 1)), 1))
     # one generator per rounded tensor, seeded as before: (p: seed, state i: seed*7+i+1)
     seeds = {"p": seed, **{n: (seed * 7 + i + 1) & 0x7FFFFFFF if st[n].dtype == Q_DTYPE else seed * 7 + i + 1
                            for i, n in enumerate(names)}}

@@ -65,7 +65,7 @@ class ForgeOptimizer(Optimizer):
         model: nn.Module | None = None,
         max_grad_norm: float = 0.0,
         clip: str = "exact",
-        tile_bytes: int = 4 << 20,
+        tile_bytes: int | None = None,
         stochastic_rounding: bool = False,
         state_dtype: torch.dtype | str = torch.float32,
         forge_model: nn.Module | None = None,
@@ -90,7 +90,9 @@ class ForgeOptimizer(Optimizer):
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
         self.clip = clip
-        self.tile_bytes = int(tile_bytes)
+        if tile_bytes is not None and int(tile_bytes) < 1:
+            raise ValueError(f"tile_bytes must be a positive number of bytes (or None: automatic); got {tile_bytes}.")
+        self.tile_bytes = None if tile_bytes is None else int(tile_bytes)
         self.stochastic_rounding = bool(stochastic_rounding)
         self.state_dtype = state_dtype
         self.sync: bool | None = None  # None: follow accelerate's GradientState (Trainer); else set by the user
@@ -258,12 +260,20 @@ class ForgeOptimizer(Optimizer):
         seed = (self._group_index_pos[p] * 1_000_003 + step * 1_009) & 0x7FFFFFFF
         with torch.no_grad():
             K.apply_rule_chunked(self.rule, p.data, g, {k: v for k, v in st.items() if k != "step"}, hp, step,
-                                 coef=coef, chunk_elems=max(self.tile_bytes // 4, 1),
+                                 coef=coef, chunk_elems=max(self._tile_bytes(p) // 4, 1),
                                  stochastic_rounding=self.stochastic_rounding, seed=seed)
+
+    def _tile_bytes(self, p: Tensor) -> int:
+        """Bytes of one weight-gradient tile: ``tile_bytes`` if given; else 4 MiB on CPU (cache-sized work) and
+        64 MiB on a GPU, where each tile costs a handful of kernel launches and one host sync (a 1B model's step
+        would otherwise launch ~10^5 kernels)."""
+        if self.tile_bytes is not None:
+            return self.tile_bytes
+        return (64 << 20) if p.device.type == "cuda" else (4 << 20)
 
     def _linear_weight_backward(self, weight: Tensor, dy: Tensor, x: Tensor) -> None:
         """Called from the fused linear's backward with ``dy`` ``[N, out]`` and ``x`` ``[N, in]``."""
-        rows = K.row_tiles(weight.shape[0], weight.shape[1], self.tile_bytes)
+        rows = K.row_tiles(weight.shape[0], weight.shape[1], self._tile_bytes(weight))
         if not self._is_sync():  # gradient accumulation: keep the sum in .grad until the sync micro-batch
             g = (dy.t() @ x).to(weight.dtype)
             weight.grad = g if weight.grad is None else weight.grad + g
@@ -345,7 +355,7 @@ class ForgeOptimizer(Optimizer):
             keep = ids != padding_idx
             ids, dy = ids[keep], dy[keep]
         dy = dy.to(weight.dtype)
-        rows = K.row_tiles(weight.shape[0], weight.shape[1], self.tile_bytes)
+        rows = K.row_tiles(weight.shape[0], weight.shape[1], self._tile_bytes(weight))
         blk = self._begin_blocks(weight)
         for r0 in range(0, weight.shape[0], rows):
             r1 = min(r0 + rows, weight.shape[0])

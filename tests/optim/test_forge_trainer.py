@@ -179,3 +179,9 @@ def test_constructor_errors():
         ForgeAdamW(model.parameters(), model=model, clip="sometimes")
     with pytest.raises(ValueError, match="betas"):
         ForgeAdamW(model.parameters(), model=model, betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match="tile_bytes"):
+        ForgeAdamW(model.parameters(), model=model, tile_bytes=0)
+    opt = ForgeAdamW(model.parameters(), model=model)  # automatic tiles: 4 MiB on CPU, 64 MiB on a GPU
+    assert opt._tile_bytes(model.lm_head.weight) == 4 << 20
+    opt.detach()
+    assert ForgeAdamW(model.parameters(), model=model, tile_bytes=1 << 16)._tile_bytes(model.lm_head.weight) == 1 << 16
