@@ -3,7 +3,8 @@
 Peers: HF stock (``lm_head`` logits + ``ForCausalLMLoss``), PyTorch's chunked ``F.linear_cross_entropy``
 (``LinearCrossEntropyOptions()``), TRL's fused head (``ChunkedLogProbFunction``, the loss as ``-mean(logp)``),
 Liger's fused linear cross-entropy (GPU only: on CPU it needs the Triton interpreter, which takes far too long
-at these sizes) and memgrad (``memgrad_hf.functional.linear_cross_entropy``).
+at these sizes), memgrad (``memgrad_hf.functional.linear_cross_entropy``) and, on GPU, memgrad with its opt-in
+Triton head kernel (``MEMGRAD_BACKEND=triton``).
 
 Peak memory: one fresh process per configuration, peak over what the inputs (hidden, weight, labels) occupy;
 it includes the gradients every peer must return (dX and dW). Time: round-robin in this process.
@@ -12,17 +13,18 @@ it includes the gradients every peer must return (dX and dW). Time: round-robin 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
 from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions
 
-PEERS = ("hf", "torch_lce", "trl", "liger", "memgrad")
+PEERS = ("hf", "torch_lce", "trl", "liger", "memgrad", "memgrad_triton")
 
 
 def setup(device: str, impl: str, n: int, d: int, v: int, dtype: str) -> dict:
-    if impl == "liger" and not device.startswith("cuda"):
+    if impl in ("liger", "memgrad_triton") and not device.startswith("cuda"):
         raise RuntimeError("not run on CPU (Triton kernel; the interpreter is orders of magnitude too slow)")
     dt = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -54,6 +56,17 @@ def _impl(name: str):
         from memgrad_hf.functional import linear_cross_entropy
 
         return lambda h, w, y: linear_cross_entropy(h, w, y)
+    if name == "memgrad_triton":  # the opt-in Triton head kernel (MEMGRAD_BACKEND=triton)
+        from memgrad_hf.functional import linear_cross_entropy
+
+        def triton_head(h, w, y):
+            os.environ["MEMGRAD_BACKEND"] = "triton"
+            try:
+                return linear_cross_entropy(h, w, y)  # the gradients are computed here, in the forward pass
+            finally:
+                os.environ.pop("MEMGRAD_BACKEND", None)
+
+        return triton_head
     raise ValueError(f"unknown peer {name!r}; choose from {PEERS}")
 
 

@@ -15,6 +15,7 @@ for part in $parts; do
     checks)
       { python tests/optim/_triton_twin_check.py cuda || status=1
         python tests/titans/_triton_twin_check.py cuda || status=1
+        python tests/_head_triton_check.py cuda || status=1
         python tests/gpu_checks.py || status=1; } 2>&1 | tee "$out/checks.md" ;;
     titans) python -m benchmarks.titans --device cuda --repeats 10 2>&1 | tee "$out/titans.md" ;;
     head) python -m benchmarks.head --device cuda --repeats 10 2>&1 | tee "$out/head.md" ;;

@@ -264,8 +264,9 @@ def linear_cross_entropy(
             flops) so the weight gradient exists only from the head's backward on — what an optimizer that consumes
             gradients during backward (FORGE) wants — and, for low-precision weights with the fp32 accumulator,
             is summed per vocabulary block straight into the weight's dtype (no fp32 ``[V x H]`` buffer). Default
-            (None): ``True`` when the weight-gradient accumulator has the weight's dtype (fp32 models), else
-            ``False`` (bf16/fp16 models: 4·V·H + 2·V·H bytes less at the peak for a third more head flops).
+            (None): ``True`` when the weight-gradient accumulator has the weight's dtype (fp32 models) or with the
+            Triton backend (``MEMGRAD_BACKEND=triton``), else ``False`` (bf16/fp16 models: 4·V·H + 2·V·H bytes less
+            at the peak for a third more head flops).
         weight_grad_consumer: ``f(v0, v1, dW_block, db_block)``; if given (implies ``grad_in_forward=False``), the
             weight (and bias) gradient is handed over one block of vocabulary rows at a time during backward
             instead of being returned to autograd — the full weight gradient never exists (FORGE's fused head).
@@ -309,8 +310,8 @@ def linear_cross_entropy(
         denom = 1
     if n_valid == 0:
         return (hv.sum() * 0.0 + weight.sum() * 0.0).float() / denom
-    if grad_in_forward is None:
-        grad_in_forward = acc == weight.dtype
+    if grad_in_forward is None:  # the Triton backend's fused kernel is its fast path
+        grad_in_forward = acc == weight.dtype or getattr(head_impl(hv.device), "PREFERS_FUSED", False)
     if not grad_in_forward or weight_grad_consumer is not None:
         lse, zt, _, zmean, _, _ = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunk, False,
                                                           label_smoothing > 0, acc, weight_grad_consumer)

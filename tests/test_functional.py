@@ -199,7 +199,8 @@ def test_bad_arguments_raise_value_error_with_fix(call, match):
 def test_forcing_a_backend_without_kernel_is_a_clear_error(monkeypatch):
     h, w, _, y = _inputs()
     monkeypatch.setenv("MEMGRAD_BACKEND", "triton")
-    with pytest.raises(ValueError, match="no Triton kernel"):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a GPU"):
         linear_cross_entropy(h, w, y)
     monkeypatch.setenv("MEMGRAD_BACKEND", "cuda")
     with pytest.raises(ValueError, match="MEMGRAD_BACKEND"):

@@ -39,16 +39,23 @@ def triton_available() -> bool:
 def head_impl(device: torch.device | str | None = None):
     """The module implementing the chunked-head ops for tensors on ``device``.
 
-    Only the torch implementation (:mod:`memgrad_hf.kernels.head`) exists so far; on CUDA it runs as cuBLAS GEMMs
-    plus fused element-wise torch ops. Forcing ``MEMGRAD_BACKEND=triton`` raises until the Triton twin lands.
+    The torch path (:mod:`memgrad_hf.kernels.head`: cuBLAS / MKL GEMMs plus fused element-wise torch ops) by default
+    on every device; ``MEMGRAD_BACKEND=triton`` selects :mod:`memgrad_hf.kernels.head_triton` (its fused
+    cross-entropy runs a Triton row kernel between the GEMMs; the other schedules are the torch path's). Opt-in until
+    measured on a GPU; on CPU tensors it needs ``TRITON_INTERPRET=1`` (slow; for tests).
     """
+    if backend(device) == "triton" and os.environ.get("MEMGRAD_BACKEND", "").strip().lower() == "triton":
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"MEMGRAD_BACKEND=triton on {dev.type} tensors: the Triton head kernel needs a GPU (or "
+                "TRITON_INTERPRET=1 for the slow interpreter); unset MEMGRAD_BACKEND or set it to 'torch'."
+            )
+        from memgrad_hf.kernels import head_triton
+
+        return head_triton
     from memgrad_hf.kernels import head
 
-    if backend(device) == "triton" and os.environ.get("MEMGRAD_BACKEND", "").strip().lower() == "triton":
-        raise ValueError(
-            "MEMGRAD_BACKEND=triton: the chunked head has no Triton kernel yet; unset MEMGRAD_BACKEND or set it to "
-            "'torch'."
-        )
     return head
 
 
@@ -61,7 +68,7 @@ def titans_step_impl(device: torch.device | str | None = None):
     than the torch kernel's batched cuBLAS GEMMs at D=64 and 2.2x slower at D=128, so it is opt-in. Both have the
     same signature and return values. Imported lazily so CPU-only installs never import Triton.
     """
-    if os.environ.get("MEMGRAD_BACKEND", "").strip().lower() == "triton" and backend(device) == "triton":
+    if backend(device) == "triton" and os.environ.get("MEMGRAD_BACKEND", "").strip().lower() == "triton":
         from memgrad_hf.kernels.titans_triton import memory_step
     else:
         from memgrad_hf.kernels.titans import memory_step

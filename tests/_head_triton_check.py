@@ -1,0 +1,77 @@
+"""Run under TRITON_INTERPRET=1 (by test_head_triton.py): the Triton fused cross-entropy against its torch twin.
+
+Direct (``kernels.head_triton.fused_cross_entropy`` vs ``kernels.head.fused_cross_entropy``) for fp32 with every
+option (label smoothing, z-loss, softcap + logit scale, bias, token weights, one and several vocabulary blocks, a
+partial last chunk), then end to end through ``functional.linear_cross_entropy`` with ``MEMGRAD_BACKEND=triton``.
+On a GPU machine: ``python tests/_head_triton_check.py cuda`` runs the compiled kernel (and bf16 there).
+Prints one line per case and exits non-zero above the tolerance.
+"""
+
+import os
+import sys
+
+import torch
+
+from memgrad_hf.kernels import head as K
+from memgrad_hf.kernels import head_triton as T
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def case(dev, dtype, n, h, v, chunk, eps=0.0, zl=0.0, softcap=None, scale=1.0, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dev, dtype)
+    w = (torch.randn(v, h, generator=g) * 0.3).to(dev, dtype)
+    b = (torch.randn(v, generator=g) * 0.1).to(dev, dtype) if bias else None
+    t = torch.randint(0, v, (n,), generator=g).to(dev)
+    tw = (torch.rand(n, generator=g) + 0.5).to(dev)
+    ep = K.Epilogue.make(logit_scale=scale, softcap=softcap)
+    kw = dict(label_smoothing=eps, z_loss=zl, chunk_size=chunk, need_dx=True, need_dw=True, need_db=bias)
+    ref = K.fused_cross_entropy(x, w, b, t, ep, tw, **kw)
+    out = T.fused_cross_entropy(x, w, b, t, ep, tw, **kw)
+    return max(rel(o, r) for o, r in zip(out, ref, strict=True) if r is not None)
+
+
+def end_to_end(dev):
+    from memgrad_hf.functional import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, 16, generator=g).to(dev).requires_grad_()
+    w = torch.randn(200, 16, generator=g).to(dev).requires_grad_()
+    y = torch.randint(0, 200, (2, 9), generator=g).to(dev)
+    y[0, :3] = -100
+    res = []
+    for backend in ("torch", "triton"):
+        os.environ["MEMGRAD_BACKEND"] = backend
+        loss = linear_cross_entropy(x, w, y, label_smoothing=0.1, softcap=5.0)
+        res.append((loss, *torch.autograd.grad(loss, (x, w))))
+    os.environ.pop("MEMGRAD_BACKEND")
+    return max(rel(a, b) for a, b in zip(res[1], res[0], strict=True))
+
+
+if __name__ == "__main__":
+    dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    cases = {
+        "plain, one block": dict(n=37, h=24, v=300, chunk=16),
+        "plain, several blocks": dict(n=20, h=16, v=9000, chunk=8),
+        "label smoothing + z-loss": dict(n=21, h=16, v=500, chunk=8, eps=0.1, zl=1e-3),
+        "softcap + logit scale + bias": dict(n=19, h=16, v=700, chunk=32, softcap=3.0, scale=0.5, bias=True),
+    }
+    worst = 0.0
+    for name, kw in cases.items():
+        err = case(dev, torch.float32, **kw)
+        worst = max(worst, err)
+        print(f"fp32 {name}: max rel err {err:.2e}")
+    err = end_to_end(dev)
+    worst = max(worst, err)
+    print(f"linear_cross_entropy, MEMGRAD_BACKEND=triton vs torch: max rel err {err:.2e}")
+    ok = worst < 1e-5
+    if dev != "cpu":  # bf16: both round logits and dL/du to bf16 (in other orders): a bf16-level tolerance
+        err = case(dev, torch.bfloat16, n=512, h=256, v=32768, chunk=256, eps=0.1)
+        print(f"bf16 (8192-column blocks): max rel err {err:.2e}")
+        ok = ok and err < 2e-2
+    print(f"max relative error {worst:.3e}")
+    sys.exit(0 if ok else 1)
