@@ -6,10 +6,15 @@ writes ``dL/du`` over the logits in place, in the same dtype; cuBLAS forms ``dX`
 and one write of a low-precision row replace the torch path's ~10 fp32 passes (what made it 3-7x slower than Liger
 and TRL on an H100, benchmarks/RESULTS.md). The epilogue (logit scale, softcap, temperature) is applied on the fly.
 
-Only the fused cross-entropy runs here; the per-token statistics and recompute-in-backward schedules
-(:func:`head_stats`, :func:`head_backward`, ...) are the torch path's, re-exported so that this module serves
-:func:`memgrad_hf.kernels.head_impl` whole. Tested against the torch twin under ``TRITON_INTERPRET=1``
-(``tests/_head_triton_check.py``); on a GPU it is opt-in (``MEMGRAD_BACKEND=triton``) until measured there.
+The recompute schedule (per-token statistics in forward, gradients in backward: log-probs, entropies, GRPO) runs
+on two more row kernels: :func:`head_stats` (one online pass: ``lse``, target logit, entropy, mean logit) and
+:func:`head_backward` (``dL/du`` from the per-token coefficients, in place). Low-precision weights with the fp32
+accumulator walk the vocabulary in blocks, as the torch path does, so no fp32 ``[V x H]`` buffer exists. The
+diagnostics ``Σp²`` / target-is-top-1 and the FORGE block consumer (:func:`head_backward_vocab_blocks`) are the
+torch path's, re-exported so that this module serves :func:`memgrad_hf.kernels.head_impl` whole.
+
+Tested against the torch twin under ``TRITON_INTERPRET=1`` (``tests/_head_triton_check.py``); on a GPU it is
+opt-in (``MEMGRAD_BACKEND=triton``) until measured there.
 """
 
 from __future__ import annotations
@@ -19,15 +24,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from memgrad_hf.kernels import head as _torch_head
 from memgrad_hf.kernels.head import (  # noqa: F401  (the torch path's other schedules, served as they are)
     Epilogue,
     Stats,
     _dw_buffer,
     _mm_f32,
     default_chunk_size,
-    head_backward,
     head_backward_vocab_blocks,
-    head_stats,
 )
 
 PREFERS_FUSED = True  # functional.linear_cross_entropy: gradients in the forward pass by default with this backend
@@ -160,3 +164,201 @@ def fused_cross_entropy(
         if db is not None:
             db.add_(du.sum(0, dtype=db.dtype))
     return rows_loss.sum(), dx, dw, db
+
+
+# ------------------------------------------------------------------------------------------ recompute schedule
+
+
+@triton.jit
+def _stats_rows_kernel(
+    u_ptr, s_u, t_ptr, lse_ptr, zt_ptr, ent_ptr, zmean_ptr,
+    V, inp, out,
+    TANH: tl.constexpr, ENTROPY: tl.constexpr, ZMEAN: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One online pass per row: lse, z_t and, if asked, H = lse - Σ p z and mean z."""
+    row = tl.program_id(0).to(tl.int64)
+    base = u_ptr + row * s_u
+    cols0 = tl.arange(0, BLOCK)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    sz = tl.zeros((), tl.float32)  # Σ exp(z - m) z, rescaled with s
+    zsum = tl.zeros((), tl.float32)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + cols0
+        ok = cols < V
+        z = _epilogue(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), inp, out, TANH)
+        zm = tl.where(ok, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(zm, 0))
+        scale = tl.exp(m - m_new)
+        e = tl.exp(zm - m_new)
+        s = s * scale + tl.sum(e, 0)
+        if ENTROPY:
+            sz = sz * scale + tl.sum(tl.where(ok, e * z, 0.0), 0)
+        if ZMEAN:
+            zsum += tl.sum(tl.where(ok, z, 0.0), 0)
+        m = m_new
+    t = tl.load(t_ptr + row)
+    lse = m + tl.log(s)
+    tl.store(lse_ptr + row, lse)
+    tl.store(zt_ptr + row, _epilogue(tl.load(base + t).to(tl.float32), inp, out, TANH))
+    if ENTROPY:
+        tl.store(ent_ptr + row, lse - sz / s)
+    if ZMEAN:
+        tl.store(zmean_ptr + row, zsum / V)
+
+
+@triton.jit
+def _grad_rows_kernel(
+    u_ptr, s_u, ncols, col0, t_ptr, lse_ptr, a_ptr, b_ptr, g_ptr, d_ptr,
+    inp, out,
+    TANH: tl.constexpr, HAS_BETA: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``dL/du`` over a row of logits (vocabulary columns ``col0 .. col0 + ncols``), in place:
+    ``dL/dz_j = p_j (alpha + beta z_j) + gamma [j == t] + delta`` times the epilogue's ``dz/du``."""
+    row = tl.program_id(0).to(tl.int64)
+    base = u_ptr + row * s_u
+    lse = tl.load(lse_ptr + row)
+    alpha = tl.load(a_ptr + row)
+    t = tl.load(t_ptr + row) - col0
+    cols0 = tl.arange(0, BLOCK)
+    for v0 in range(0, ncols, BLOCK):
+        cols = v0 + cols0
+        ok = cols < ncols
+        u = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
+        z = _epilogue(u, inp, out, TANH)
+        p = tl.exp(z - lse)
+        if HAS_BETA:
+            g = p * (alpha + tl.load(b_ptr + row) * z)
+        else:
+            g = p * alpha
+        if HAS_GAMMA:
+            g += tl.where(cols == t, tl.load(g_ptr + row), 0.0)
+        if HAS_DELTA:
+            g += tl.load(d_ptr + row)
+        if TANH:
+            th = z / out
+            g = g * (inp * out * (1.0 - th * th))
+        else:
+            g = g * inp
+        tl.store(base + cols, g.to(u_ptr.dtype.element_ty), mask=ok)
+
+
+def head_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    ep: Epilogue,
+    *,
+    chunk_size: int,
+    need_entropy: bool = False,
+    need_zmean: bool = False,
+    need_sumsq: bool = False,
+    need_top1: bool = False,
+) -> Stats:
+    """Same contract as the torch twin :func:`memgrad_hf.kernels.head.head_stats` (the diagnostics ``Σp²`` and
+    target-is-top-1 go to the torch path)."""
+    if need_sumsq or need_top1:
+        return _torch_head.head_stats(hidden, weight, bias, targets, ep, chunk_size=chunk_size,
+                                      need_entropy=need_entropy, need_zmean=need_zmean, need_sumsq=need_sumsq,
+                                      need_top1=need_top1)
+    n, vocab = hidden.shape[0], weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    lse, zt = torch.empty(n, **f32), torch.empty(n, **f32)
+    ent = torch.empty(n, **f32) if need_entropy else None
+    zmean = torch.empty(n, **f32) if need_zmean else None
+    buf = torch.empty(min(n, chunk_size), vocab, dtype=weight.dtype, device=hidden.device)
+    block = min(4096, triton.next_power_of_2(vocab))
+    for s in range(0, n, chunk_size):
+        e = min(s + chunk_size, n)
+        u = _logits(hidden[s:e], weight, bias, buf)
+        _stats_rows_kernel[(e - s,)](
+            u, u.stride(0), targets[s:e], lse[s:e], zt[s:e], (ent if ent is not None else lse)[s:e],
+            (zmean if zmean is not None else lse)[s:e], vocab, float(ep.inp), float(ep.out),
+            TANH=ep.tanh, ENTROPY=need_entropy, ZMEAN=need_zmean, BLOCK=block, num_warps=8,
+        )
+    return Stats(lse=lse, target=zt, entropy=ent, zmean=zmean)
+
+
+def _grad_rows(u: Tensor, col0: int, targets: Tensor, lse: Tensor, coef: list[Tensor | None], ep: Epilogue) -> None:
+    alpha, beta, gamma, delta = (None if c is None else c.to(torch.float32).contiguous() for c in coef)
+    _grad_rows_kernel[(u.shape[0],)](
+        u, u.stride(0), u.shape[1], col0, targets, lse, alpha,
+        beta if beta is not None else alpha, gamma if gamma is not None else alpha,
+        delta if delta is not None else alpha, float(ep.inp), float(ep.out),
+        TANH=ep.tanh, HAS_BETA=beta is not None, HAS_GAMMA=gamma is not None, HAS_DELTA=delta is not None,
+        BLOCK=min(4096, triton.next_power_of_2(u.shape[1])), num_warps=8,
+    )
+
+
+def head_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    lse: Tensor,
+    ep: Epilogue,
+    alpha: Tensor,
+    beta: Tensor | None,
+    gamma: Tensor | None,
+    delta: Tensor | None,
+    *,
+    chunk_size: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+    accum_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Same contract as the torch twin :func:`memgrad_hf.kernels.head.head_backward`: recompute the logits, turn
+    them into ``dL/du`` with the row kernel, and form ``(dX, dW, db)`` with GEMMs."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    coef = [alpha, beta, gamma, delta]
+    if need_dw and weight.dtype != accum_dtype:
+        return _backward_vocab_blocks(hidden, weight, bias, targets, lse, ep, coef, need_dx=need_dx,
+                                      need_db=need_db, chunk_size=chunk_size)
+    dx = torch.empty_like(hidden) if need_dx else None
+    dw = _dw_buffer(weight, n, accum_dtype) if need_dw else None
+    db = torch.zeros(vocab, dtype=accum_dtype, device=weight.device) if need_db else None
+    buf = torch.empty(min(n, chunk_size), vocab, dtype=weight.dtype, device=hidden.device)
+    for s in range(0, n, chunk_size):
+        e = min(s + chunk_size, n)
+        h = hidden[s:e]
+        du = _logits(h, weight, bias, buf)
+        _grad_rows(du, 0, targets[s:e], lse[s:e], [None if c is None else c[s:e] for c in coef], ep)
+        if dx is not None:
+            torch.mm(du, weight, out=dx[s:e])
+        if dw is not None:
+            torch.mm(du.t(), h, out=dw) if s == 0 else dw.addmm_(du.t(), h)
+        if db is not None:
+            db.add_(du.sum(0, dtype=db.dtype))
+    return dx, dw, db
+
+
+def _backward_vocab_blocks(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor,
+                           ep: Epilogue, coef: list[Tensor | None], *, need_dx: bool, need_db: bool,
+                           chunk_size: int) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """Low-precision weights, fp32 accumulation: each vocabulary block's ``dW`` is summed over every token in fp32
+    and rounded once into the weight's dtype; ``dX`` accumulates in fp32 across blocks (as the torch path)."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    dw = torch.empty_like(weight)
+    db = torch.empty_like(bias) if need_db and bias is not None else None
+    dx = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dx else None
+    # a block's logits [n x vb] in the weight's dtype take about what one token chunk's full row would
+    vb = max(16, min(vocab, (chunk_size * vocab) // max(n, 1)))
+    inside_t = targets
+    for v0 in range(0, vocab, vb):
+        v1 = min(v0 + vb, vocab)
+        w_blk = weight[v0:v1]
+        du = _logits(hidden, w_blk, None if bias is None else bias[v0:v1],
+                     torch.empty(n, v1 - v0, dtype=weight.dtype, device=hidden.device))
+        gamma = coef[2]
+        if gamma is not None:  # the target term only where the target falls in this block
+            gamma = gamma * ((inside_t >= v0) & (inside_t < v1))
+        _grad_rows(du, v0, targets, lse, [coef[0], coef[1], gamma, coef[3]], ep)
+        if dx is not None:
+            _mm_f32(du, w_blk, dx)
+        dw[v0:v1] = _mm_f32(du.t(), hidden).to(weight.dtype)
+        if db is not None:
+            db[v0:v1] = du.sum(0, dtype=torch.float32).to(db.dtype)
+    return (None if dx is None else dx.to(hidden.dtype)), dw, db
