@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
-#   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [head] [grpo] [forge]     (default: all parts)
-# Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed.
+#   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge]   (default: all)
+# Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
+# (2026-11-22): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~2 (five configs; ~5.5 with all nine), titans (kernel
+# table, four shapes) ~4, titans-layer (vs titans-pytorch) not yet seen: plan device calls of <= 10 min around them.
 set -u
-out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [checks titans head grpo forge]}
+out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [checks titans titans-layer head grpo forge]}
 shift
-parts=${*:-checks titans head grpo forge}
+parts=${*:-checks titans titans-layer head grpo forge}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 status=0
@@ -17,7 +19,9 @@ for part in $parts; do
         python tests/titans/_triton_twin_check.py cuda || status=1
         python tests/_head_triton_check.py cuda || status=1
         python tests/gpu_checks.py || status=1; } 2>&1 | tee "$out/checks.md" ;;
-    titans) python -m benchmarks.titans --device cuda --repeats 10 2>&1 | tee "$out/titans.md" ;;
+    titans) python -m benchmarks.titans --device cuda --repeats 10 --layers 2>&1 | tee "$out/titans.md" ;;
+    titans-layer) python -m benchmarks.titans --device cuda --repeats 5 --kernel-shapes 2>&1 \
+      | tee "$out/titans-layer.md" ;;
     head) python -m benchmarks.head --device cuda --repeats 10 2>&1 | tee "$out/head.md" ;;
     grpo) python -m benchmarks.grpo --device cuda --repeats 10 2>&1 | tee "$out/grpo.md" ;;
     forge)  # ~1B Llama-style model, bf16 weights, batch 1 x 1024 tokens

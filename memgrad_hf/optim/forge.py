@@ -83,6 +83,7 @@ class ForgeOptimizer(Optimizer):
         _refuse_distributed(model)
         state_dtype = _parse_dtype(state_dtype)
         super().__init__(params, defaults)
+        _note_low_precision_weights(self.param_groups, state_dtype)
         previous = getattr(model, "_memgrad_forge_optimizer", None)
         if previous is not None and previous() is not None:
             previous().detach()  # a new optimizer (e.g. a second Trainer) takes over the model's hooks and swaps
@@ -513,6 +514,19 @@ def _parse_dtype(d: torch.dtype | str) -> torch.dtype:
     if d not in (torch.float32, torch.bfloat16, K.Q_DTYPE):
         raise ValueError(f"state_dtype must be torch.float32, torch.bfloat16 or '8bit'; got {d}.")
     return d
+
+
+def _note_low_precision_weights(groups: list[dict[str, Any]], state_dtype: torch.dtype) -> None:
+    """bf16/fp16 weights with fp32 state hold twice the state ``adamw_torch`` holds for them (torch keeps state in
+    the weights' dtype): say so once, with the option that matches it, since users pick FORGE to save memory."""
+    params = [p for g in groups for p in g["params"]]
+    low = sum(p.numel() for p in params if p.dtype in (torch.bfloat16, torch.float16))
+    if state_dtype == torch.float32 and low * 2 > sum(p.numel() for p in params):
+        log.warning(
+            "forge: the model's weights are bf16/fp16 and the optimizer state fp32 (more accurate, but twice the state "
+            "torch.optim keeps for such weights); pass optim_args='state_dtype=bf16' (or state_dtype=torch.bfloat16) "
+            "for torch's state size, or 'state_dtype=8bit' for a quarter of it."
+        )
 
 
 def _refuse_distributed(model: nn.Module) -> None:

@@ -68,3 +68,18 @@ def test_bf16_state_survives_a_state_dict_round_trip():
         for k in ("exp_avg", "exp_avg_sq"):
             assert opt2.state[p][k].dtype == torch.bfloat16
             assert torch.equal(opt2.state[p][k], opt.state[p][k])
+
+
+def test_bf16_weights_with_fp32_state_say_what_it_costs(caplog):
+    import logging
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        ForgeAdamW(model.parameters(), model=model).detach()
+    assert "state_dtype=bf16" in caplog.text
+    caplog.clear()
+    fp32_model = tiny_model("llama")
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        ForgeAdamW(model.parameters(), model=model, state_dtype="bf16").detach()
+        ForgeAdamW(fp32_model.parameters(), model=fp32_model).detach()  # fp32 weights: nothing to say
+    assert "state_dtype" not in caplog.text
