@@ -25,8 +25,9 @@ How it works (no decoder layer is replaced, so the original weights keep their `
    ``generate()`` works. With padding a multiple of ``chunk_size`` a sequence's outputs equal its unpadded run;
    otherwise its chunk boundaries shift with the padding (the memory is then as valid, just chunked differently).
 
-Limits (documented, not detected): packed sequences (several documents in one row) share one memory; the memory
-is not reset at document boundaries.
+7. Packed documents. Where transformers itself separates documents packed into one row (``position_ids`` that
+   restart, no attention mask, no cache: padding-free training as TRL does it), each document's memory starts
+   afresh: the documents are run as a right-padded batch with a store mask and scattered back.
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ class TitansPatch:
 
 
 class _StoreMask:
-    """The padding mask of the model call in flight, shared by the model's hooks and its patched layers."""
+    """What the model call in flight says about its tokens, shared by the model's hooks and its patched layers:
+    the padding mask, and where packed documents start (as transformers finds them from ``position_ids``)."""
 
     mask: Tensor | None = None
+    starts: Tensor | None = None  # (B or 1, T) bool: a document starts here; None when no row holds two
 
 
 @dataclass
@@ -311,9 +314,16 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out = type(self).forward(self, *args, **kwargs)
     branch = getattr(self, BRANCH_ATTR)
     mask = _layer_mask(info, x)
+    starts = None if info.store_mask is None or cache is not None else info.store_mask.starts
+    if starts is not None and starts.shape[1] == x.shape[1]:  # packed documents: each from a fresh memory
+        run = lambda h: _packed_documents(branch, h, starts.expand(h.shape[0], -1))
+    else:
+        run = lambda h: branch(h, None, mask)[0]
     if checkpointing and cache is None and callable(getattr(self, "_gradient_checkpointing_func", None)):
-        delta = self._gradient_checkpointing_func(lambda h: branch(h, None, mask)[0], x)
+        delta = self._gradient_checkpointing_func(run, x)
         new_state = None
+    elif cache is None:
+        delta, new_state = run(x), None
     else:
         delta, new_state = branch(x, state, mask)
     if entry is not None:
@@ -330,6 +340,23 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return [hidden, *out[1:]] if isinstance(out, list) else (hidden, *out[1:])
 
 
+def _packed_documents(branch: nn.Module, x: Tensor, starts: Tensor) -> Tensor:
+    """The branch over packed rows, each document from the initial memory: documents are gathered into a
+    right-padded batch ``(documents, longest, D)`` with a store mask, run in one call, and scattered back."""
+    b, t, d = x.shape
+    doc = starts.long().cumsum(1) - 1  # document index within its row
+    per_row = doc[:, -1] + 1
+    first = torch.cumsum(per_row, 0) - per_row
+    idx = torch.arange(t, device=x.device).expand(b, t)
+    offset = idx - torch.cummax(torch.where(starts, idx, 0), 1).values  # position within its document
+    n_docs, longest = int(per_row.sum()), int(offset.max()) + 1  # host syncs: the batch shape
+    slot = ((doc + first[:, None]) * longest + offset).reshape(-1)
+    xs = x.new_zeros(n_docs * longest, d).index_copy(0, slot, x.reshape(-1, d))
+    keep = x.new_zeros(n_docs * longest).index_fill_(0, slot, 1.0)
+    delta, _ = branch(xs.view(n_docs, longest, d), None, keep.view(n_docs, longest))
+    return delta.reshape(-1, d).index_select(0, slot).view(b, t, d)
+
+
 def _layer_mask(info: _LayerInfo, x: Tensor) -> Tensor | None:
     """The store mask of this layer call's tokens: the last ``T`` columns of the model's 2-D attention mask."""
     mask = None if info.store_mask is None else info.store_mask.mask
@@ -338,24 +365,39 @@ def _layer_mask(info: _LayerInfo, x: Tensor) -> Tensor | None:
     return mask[:, mask.shape[1] - x.shape[1]:]
 
 
+def _document_starts(position_ids: Any) -> Tensor | None:
+    """Where packed documents start: ``position_ids`` not one more than the previous one (transformers' own rule,
+    ``masking_utils.find_packed_sequence_indices``); None unless some row holds more than one document."""
+    if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.shape[1] < 2:
+        return None
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    return starts if bool(starts[:, 1:].any()) else None
+
+
 def _install_mask_hooks(model: nn.Module, holder: _StoreMask) -> tuple[int, ...]:
-    """Hooks that hand the model call's 2-D ``attention_mask`` to the memory branches (None when it has no zero:
-    the unmasked memory path then runs, one host sync per model call)."""
+    """Hooks that hand the model call's 2-D ``attention_mask`` (None when it has no zero: the unmasked memory path
+    then runs) and, without one, its packed-document starts to the memory branches; one host sync per model call."""
     try:
         params = [p.name for p in inspect.signature(model.forward).parameters.values()]
     except (TypeError, ValueError):
         params = []
-    pos = params.index("attention_mask") if "attention_mask" in params else None
+
+    def arg(args: tuple, kwargs: dict, name: str) -> Any:
+        if kwargs.get(name) is not None or name not in params or len(args) <= params.index(name):
+            return kwargs.get(name)
+        return args[params.index(name)]
 
     def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        m = kwargs.get("attention_mask")
-        if m is None and pos is not None and len(args) > pos:
-            m = args[pos]
+        m = arg(args, kwargs, "attention_mask")
         ok = isinstance(m, Tensor) and m.dim() == 2 and not bool(m.all())
         holder.mask = m if ok else None
+        # transformers separates packed documents only without an attention mask (and without a cache: the
+        # layers check that), so the memory resets exactly where attention does
+        holder.starts = _document_starts(arg(args, kwargs, "position_ids")) if m is None else None
 
     def release(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        holder.mask = None
+        holder.mask = holder.starts = None
 
     pre = model.register_forward_pre_hook(grab, with_kwargs=True)
     post = model.register_forward_hook(release, with_kwargs=True, always_call=True)

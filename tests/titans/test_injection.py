@@ -357,3 +357,47 @@ def test_padding_content_never_reaches_the_memory():
         # the memory reads the mask through the model's hook; once unpatched, nothing is left behind
         memgrad_hf.unpatch_model(model)
         assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_documents_each_start_from_a_fresh_memory(checkpointing):
+    # padding-free packing (TRL): position_ids restart per document, no attention mask, no cache; transformers
+    # separates the documents in attention, the memory must reset at the same places
+    model = _activate(_patched("llama", layers=(0, 1)))
+    docs = [_ids(1, n, seed=s)[0] for n, s in ((5, 11), (7, 12), (3, 13))]
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    if checkpointing:
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    out = model(ids, position_ids=pos, use_cache=False).logits
+    out.sum().backward()  # the gather / scatter of documents is differentiable
+    assert all(p.grad is not None for p in titans_branches(model)[0].memory.to_keys.parameters())
+    with torch.no_grad():
+        s = 0
+        for d in docs:
+            alone = model(d[None], use_cache=False).logits
+            assert torch.allclose(out[0, s:s + len(d)], alone[0], atol=1e-5, rtol=0)
+            s += len(d)
+        # one document per row (no restart) takes the ordinary path and equals it
+        assert torch.allclose(model(docs[1][None], position_ids=torch.arange(7)[None], use_cache=False).logits,
+                              model(docs[1][None], use_cache=False).logits, atol=1e-6, rtol=0)
+
+
+def test_packed_documents_over_several_rows_equal_each_document_alone():
+    from memgrad_hf.patches.titans import _document_starts, _packed_documents
+    from memgrad_hf.titans import GatedMemoryBranch
+
+    torch.manual_seed(0)
+    branch = GatedMemoryBranch(16, heads=2, chunk_size=4, max_lr=0.5).double()
+    torch.nn.init.normal_(branch.out.weight)
+    lengths = [[6, 3, 5], [2, 9, 3]]  # two rows of 14 tokens, three documents each
+    pos = torch.tensor([[i for n in row for i in range(n)] for row in lengths])
+    x = torch.randn(2, 14, 16, dtype=torch.float64)
+    out = _packed_documents(branch, x, _document_starts(pos))
+    for r, row in enumerate(lengths):
+        s = 0
+        for n in row:
+            torch.testing.assert_close(out[r, s:s + n], branch(x[r:r + 1, s:s + n])[0][0], rtol=1e-10, atol=1e-12)
+            s += n
+    assert _document_starts(torch.arange(14)[None]) is None  # one document per row: the ordinary path
