@@ -56,18 +56,13 @@ def _epilogue(u, inp, out, TANH: tl.constexpr):
 
 
 @triton.jit
-def _ce_rows_kernel(
-    u_ptr, s_u, t_ptr, w_ptr, loss_ptr,
-    V, eps, zl, inp, out,
-    TANH: tl.constexpr, SMOOTH: tl.constexpr, WANT_GRAD: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    base = u_ptr + row * s_u
-    t = tl.load(t_ptr + row)
-    wt = tl.load(w_ptr + row)
+def _row_stats(base, V, inp, out, TANH: tl.constexpr, ENTROPY: tl.constexpr, ZMEAN: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """One online pass over a row of logits: ``(lse, Σ p z, Σ z)`` (the last two 0 unless asked for)."""
     cols0 = tl.arange(0, BLOCK)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
+    sz = tl.zeros((), tl.float32)  # Σ exp(z - m) z, rescaled with s
     zsum = tl.zeros((), tl.float32)
     for v0 in range(0, V, BLOCK):
         cols = v0 + cols0
@@ -75,34 +70,63 @@ def _ce_rows_kernel(
         z = _epilogue(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), inp, out, TANH)
         zm = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(zm, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(zm - m_new), 0)
-        m = m_new
-        if SMOOTH:
+        scale = tl.exp(m - m_new)
+        e = tl.exp(zm - m_new)
+        s = s * scale + tl.sum(e, 0)
+        if ENTROPY:
+            sz = sz * scale + tl.sum(tl.where(ok, e * z, 0.0), 0)
+        if ZMEAN:
             zsum += tl.sum(tl.where(ok, z, 0.0), 0)
+        m = m_new
+    return m + tl.log(s), sz / s, zsum
+
+
+@triton.jit
+def _write_grad(base, ncols, t, lse, alpha, beta, gamma, delta, inp, out,
+                TANH: tl.constexpr, HAS_BETA: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_DELTA: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Overwrite a row of logits (``ncols`` columns; ``t`` the target's column in it) with ``dL/du``:
+    ``dL/dz_j = p_j (alpha + beta z_j) + gamma [j == t] + delta`` (REFERENCE §2.2) times the epilogue's ``dz/du``."""
+    cols0 = tl.arange(0, BLOCK)
+    for v0 in range(0, ncols, BLOCK):
+        cols = v0 + cols0
+        ok = cols < ncols
+        z = _epilogue(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), inp, out, TANH)
+        p = tl.exp(z - lse)
+        g = p * (alpha + beta * z) if HAS_BETA else p * alpha
+        if HAS_GAMMA:
+            g += tl.where(cols == t, gamma, 0.0)
+        if HAS_DELTA:
+            g += delta
+        if TANH:
+            th = z / out
+            g = g * (inp * out * (1.0 - th * th))
+        else:
+            g = g * inp
+        tl.store(base + cols, g.to(base.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _ce_rows_kernel(
+    u_ptr, s_u, t_ptr, w_ptr, loss_ptr,
+    V, eps, zl, inp, out,
+    TANH: tl.constexpr, SMOOTH: tl.constexpr, WANT_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """A row's weighted cross-entropy and, if asked, its gradient written over the row."""
+    row = tl.program_id(0).to(tl.int64)
+    base = u_ptr + row * s_u
+    t = tl.load(t_ptr + row)
+    wt = tl.load(w_ptr + row)
+    lse, _, zsum = _row_stats(base, V, inp, out, TANH, False, SMOOTH, BLOCK)
     zt = _epilogue(tl.load(base + t).to(tl.float32), inp, out, TANH)
-    lse = m + tl.log(s)
     ce = lse - zt
     if SMOOTH:
         ce = (1.0 - eps) * ce + eps * (lse - zsum / V)
     ce = ce + zl * lse * lse
     tl.store(loss_ptr + row, wt * ce)
     if WANT_GRAD:
-        # dL/dz_j = alpha p_j + gamma [j == t] + delta   (REFERENCE §2.2), then dz/du of the epilogue
-        alpha = wt * (1.0 + 2.0 * zl * lse)
-        gamma = -(1.0 - eps) * wt
-        delta = -(eps / V) * wt
-        for v0 in range(0, V, BLOCK):
-            cols = v0 + cols0
-            ok = cols < V
-            u = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-            z = _epilogue(u, inp, out, TANH)
-            g = alpha * tl.exp(z - lse) + delta + tl.where(cols == t, gamma, 0.0)
-            if TANH:
-                th = z / out
-                g = g * (inp * out * (1.0 - th * th))
-            else:
-                g = g * inp
-            tl.store(base + cols, g.to(u_ptr.dtype.element_ty), mask=ok)
+        _write_grad(base, V, t, lse, wt * (1.0 + 2.0 * zl * lse), 0.0, -(1.0 - eps) * wt, -(eps / V) * wt, inp, out,
+                    TANH, False, True, SMOOTH, BLOCK)
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, buf: Tensor) -> Tensor:
@@ -175,34 +199,14 @@ def _stats_rows_kernel(
     V, inp, out,
     TANH: tl.constexpr, ENTROPY: tl.constexpr, ZMEAN: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One online pass per row: lse, z_t and, if asked, H = lse - Σ p z and mean z."""
+    """A row's lse, z_t and, if asked, H = lse - Σ p z and mean z."""
     row = tl.program_id(0).to(tl.int64)
     base = u_ptr + row * s_u
-    cols0 = tl.arange(0, BLOCK)
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    sz = tl.zeros((), tl.float32)  # Σ exp(z - m) z, rescaled with s
-    zsum = tl.zeros((), tl.float32)
-    for v0 in range(0, V, BLOCK):
-        cols = v0 + cols0
-        ok = cols < V
-        z = _epilogue(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), inp, out, TANH)
-        zm = tl.where(ok, z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(zm, 0))
-        scale = tl.exp(m - m_new)
-        e = tl.exp(zm - m_new)
-        s = s * scale + tl.sum(e, 0)
-        if ENTROPY:
-            sz = sz * scale + tl.sum(tl.where(ok, e * z, 0.0), 0)
-        if ZMEAN:
-            zsum += tl.sum(tl.where(ok, z, 0.0), 0)
-        m = m_new
-    t = tl.load(t_ptr + row)
-    lse = m + tl.log(s)
+    lse, pz, zsum = _row_stats(base, V, inp, out, TANH, ENTROPY, ZMEAN, BLOCK)
     tl.store(lse_ptr + row, lse)
-    tl.store(zt_ptr + row, _epilogue(tl.load(base + t).to(tl.float32), inp, out, TANH))
+    tl.store(zt_ptr + row, _epilogue(tl.load(base + tl.load(t_ptr + row)).to(tl.float32), inp, out, TANH))
     if ENTROPY:
-        tl.store(ent_ptr + row, lse - sz / s)
+        tl.store(ent_ptr + row, lse - pz)
     if ZMEAN:
         tl.store(zmean_ptr + row, zsum / V)
 
@@ -214,34 +218,13 @@ def _grad_rows_kernel(
     TANH: tl.constexpr, HAS_BETA: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """``dL/du`` over a row of logits (vocabulary columns ``col0 .. col0 + ncols``), in place:
-    ``dL/dz_j = p_j (alpha + beta z_j) + gamma [j == t] + delta`` times the epilogue's ``dz/du``."""
+    """``dL/du`` over a row of logits (vocabulary columns ``col0 .. col0 + ncols``) from per-row coefficients."""
     row = tl.program_id(0).to(tl.int64)
-    base = u_ptr + row * s_u
-    lse = tl.load(lse_ptr + row)
-    alpha = tl.load(a_ptr + row)
-    t = tl.load(t_ptr + row) - col0
-    cols0 = tl.arange(0, BLOCK)
-    for v0 in range(0, ncols, BLOCK):
-        cols = v0 + cols0
-        ok = cols < ncols
-        u = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-        z = _epilogue(u, inp, out, TANH)
-        p = tl.exp(z - lse)
-        if HAS_BETA:
-            g = p * (alpha + tl.load(b_ptr + row) * z)
-        else:
-            g = p * alpha
-        if HAS_GAMMA:
-            g += tl.where(cols == t, tl.load(g_ptr + row), 0.0)
-        if HAS_DELTA:
-            g += tl.load(d_ptr + row)
-        if TANH:
-            th = z / out
-            g = g * (inp * out * (1.0 - th * th))
-        else:
-            g = g * inp
-        tl.store(base + cols, g.to(u_ptr.dtype.element_ty), mask=ok)
+    beta = tl.load(b_ptr + row) if HAS_BETA else 0.0
+    gamma = tl.load(g_ptr + row) if HAS_GAMMA else 0.0
+    delta = tl.load(d_ptr + row) if HAS_DELTA else 0.0
+    _write_grad(u_ptr + row * s_u, ncols, tl.load(t_ptr + row) - col0, tl.load(lse_ptr + row), tl.load(a_ptr + row),
+                beta, gamma, delta, inp, out, TANH, HAS_BETA, HAS_GAMMA, HAS_DELTA, BLOCK)
 
 
 def head_stats(
