@@ -375,9 +375,10 @@ def _document_starts(position_ids: Any) -> Tensor | None:
     return starts if bool(starts[:, 1:].any()) else None
 
 
-def _install_mask_hooks(model: nn.Module, holder: _StoreMask) -> tuple[int, ...]:
+def _install_mask_hooks(model: nn.Module) -> tuple[int, ...]:
     """Hooks that hand the model call's 2-D ``attention_mask`` (None when it has no zero: the unmasked memory path
-    then runs) and, without one, its packed-document starts to the memory branches; one host sync per model call."""
+    then runs) and, without one, its packed-document starts to the memory branches; one host sync per model call.
+    The hooks find the shared :class:`_StoreMask` through the model they run on, so a deep copy uses its own."""
     try:
         params = [p.name for p in inspect.signature(model.forward).parameters.values()]
     except (TypeError, ValueError):
@@ -389,6 +390,7 @@ def _install_mask_hooks(model: nn.Module, holder: _StoreMask) -> tuple[int, ...]
         return args[params.index(name)]
 
     def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        holder = getattr(module, _MODEL_ATTR).store_mask
         m = arg(args, kwargs, "attention_mask")
         ok = isinstance(m, Tensor) and m.dim() == 2 and not bool(m.all())
         holder.mask = m if ok else None
@@ -397,6 +399,7 @@ def _install_mask_hooks(model: nn.Module, holder: _StoreMask) -> tuple[int, ...]
         holder.starts = _document_starts(arg(args, kwargs, "position_ids")) if m is None else None
 
     def release(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        holder = getattr(module, _MODEL_ATTR).store_mask
         holder.mask = holder.starts = None
 
     pre = model.register_forward_pre_hook(grab, with_kwargs=True)
@@ -520,8 +523,8 @@ def inject_titans(model: nn.Module, titans: TitansConfig | dict[str, Any]) -> nn
     previous_value = getattr(model_config, CONFIG_ATTR, None) if had_attr else None
     if model_config is not None:
         setattr(model_config, CONFIG_ATTR, config.to_dict())
-    hook_ids = _install_mask_hooks(model, holder)
-    setattr(model, _MODEL_ATTR, TitansPatch(config, path, had_attr, previous_value, hook_ids, holder))
+    setattr(model, _MODEL_ATTR, TitansPatch(config, path, had_attr, previous_value, (), holder))
+    getattr(model, _MODEL_ATTR).hook_ids = _install_mask_hooks(model)
     return model
 
 

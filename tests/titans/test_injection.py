@@ -354,6 +354,8 @@ def test_padding_content_never_reaches_the_memory():
         a = model(ids, attention_mask=mask).logits
         b = model(other, attention_mask=mask).logits
         assert torch.allclose(a[mask == 1], b[mask == 1], atol=1e-6, rtol=0)
+        twin = copy.deepcopy(model)  # a copy's hooks feed the copy's memory
+        assert torch.allclose(twin(other, attention_mask=mask).logits[mask == 1], a[mask == 1], atol=1e-6, rtol=0)
         # the memory reads the mask through the model's hook; once unpatched, nothing is left behind
         memgrad_hf.unpatch_model(model)
         assert not model._forward_pre_hooks and not model._forward_hooks
