@@ -63,16 +63,31 @@ def round_to_bf16_stochastic(x: Tensor, seed: int, *, generator: torch.Generator
     return _sr_truncate(x, generator or torch.Generator(device=x.device).manual_seed(seed)).to(torch.bfloat16)
 
 
+def uniform_bits(shape: torch.Size | tuple[int, ...], bits: int, gen: torch.Generator,
+                 device: torch.device | str) -> Tensor:
+    """int32 noise uniform over multiples of ``2^(bits-16)`` in ``[0, 2^bits)`` (``16 <= bits <= 30``).
+
+    Each 16-bit word of a full-range int64 draw serves one element: a quarter of the generator calls of one
+    ``randint`` per element (torch's CPU generator fills serially; this was most of the cost of stochastic rounding).
+    Rounding that adds this noise below a kept bit rounds up with probability equal to the dropped fraction
+    truncated to 16 bits: unbiased to within 2^-16 of one step. Consecutive calls continue the stream, so row blocks
+    whose sizes are multiples of 4 draw exactly what one call on the whole would."""
+    n = 1
+    for d in shape:
+        n *= d
+    words = torch.empty(-(-n // 4), dtype=torch.int64, device=device).random_(-(1 << 63), None, generator=gen)
+    out = words.view(torch.uint16)[:n].to(torch.int32).view(shape)
+    return out.bitwise_left_shift_(bits - 16) if bits > 16 else out
+
+
 def _sr_truncate(x: Tensor, gen: torch.Generator) -> Tensor:
-    """fp32 ``x`` with noise added below bit 16 and the low 16 bits cleared (so the cast to bf16 is exact);
-    non-finite values pass through. One temporary of ``x``'s size: the noise buffer becomes the result."""
-    out = torch.randint(0, 1 << 16, x.shape, generator=gen, device=x.device, dtype=torch.int32)
+    """fp32 ``x`` with noise added below bit 16 and the low 16 bits cleared (so the cast to bf16 is exact).
+    One temporary of ``x``'s size: the noise buffer becomes the result. On the bit pattern, +-inf stay +-inf and
+    torch's NaN stays NaN (the noise never reaches the exponent or the top mantissa bit); finite values may round
+    up to +-inf only past bf16's largest value, as rounding should."""
+    out = uniform_bits(x.shape, 16, gen, x.device)
     out.add_(x.contiguous().view(torch.int32)).bitwise_and_(-65536)  # -65536 == 0xFFFF0000 as int32
-    out = out.view(torch.float32)
-    if not bool(torch.isfinite(x).all()):  # rare: one cheap check, the masked fix only when needed
-        bad = ~torch.isfinite(x)
-        out[bad] = x[bad]
-    return out
+    return out.view(torch.float32)
 
 
 # 8-bit state: codes in float8 e4m3 (3 mantissa bits: <= 2^-4 relative error over a wide range, unlike linear int8,
@@ -95,8 +110,8 @@ def quantize_8bit(x: Tensor, seed: int | None = None, keep_positive: bool = Fals
 
     With ``seed`` the codes are rounded stochastically (unbiased: ``E[dequantize] = x`` for values in e4m3's normal
     range), else to nearest. Per element, ``|dequantize - x| <= 2^-4·|x| + 2^-10·scale`` (nearest) or
-    ``< 2^-3·|x| + 2^-9·scale`` (stochastic). ``keep_positive``: positive values never become code 0 (they get
-    at least the smallest code, 2^-9·scale) -- for a denominator, where a flush to zero would blow the update up.
+    ``< 2^-3·|x| + 2^-9·scale`` (stochastic). ``keep_positive``: no value becomes code 0 (values below the smallest
+    code, 2^-9·scale, zeros included, get it) -- for a denominator, where a flush to zero would blow the update up.
     ``generator`` (implies stochastic rounding) continues a stream over consecutive row blocks, as for bf16."""
     n = x.shape[-1]
     pad = (-n) % Q_BLOCK
@@ -105,17 +120,15 @@ def quantize_8bit(x: Tensor, seed: int | None = None, keep_positive: bool = Fals
     amax = xb.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / Q_MAX, torch.ones_like(amax))
     y = (xb / scale.unsqueeze(-1)).reshape(*x.shape[:-1], -1)[..., :n]
+    if keep_positive:  # one pass: zeros too get the smallest code (harmless for sqrt(v): m is 0 there)
+        y.clamp_(min=2.0**-9)
     if seed is not None or generator is not None:
         # add uniform noise below the 20 dropped mantissa bits (fp32 23 -> e4m3 3) and truncate: rounds up with
         # probability equal to the fraction; then the cast to e4m3 is exact (normal range)
         gen = generator or torch.Generator(device=x.device).manual_seed(seed)
-        noise = torch.randint(0, 1 << 20, y.shape, generator=gen, device=x.device, dtype=torch.int32)
+        noise = uniform_bits(y.shape, 20, gen, x.device)
         y = noise.add_(y.contiguous().view(torch.int32)).bitwise_and_(-(1 << 20)).view(torch.float32)
     codes = y.to(Q_DTYPE)
-    if keep_positive:
-        tiny = torch.tensor(2.0**-9, dtype=Q_DTYPE, device=x.device)
-        zero = (codes.view(torch.uint8) & 0x7F) == 0  # +-0 codes, read from the bits (no float8 decode)
-        codes = torch.where((y > 0) & zero, tiny, codes)
     return codes, scale
 
 
@@ -181,6 +194,7 @@ def apply_rule(
         p, g, st = p.view(1), g.reshape(1), {k: v.view(1) for k, v in st.items()}
     limit = GPU_SUB_BLOCK_BYTES if p.is_cuda else SUB_BLOCK_BYTES
     rows = max(1, limit // max(4 * (p.numel() // max(p.shape[0], 1)), 1))
+    rows = max(4, rows - rows % 4)  # whole 64-bit noise words per block (see uniform_bits)
     # one generator per rounded tensor, seeded as before: (p: seed, state i: seed*7+i+1)
     seeds = {"p": seed, **{n: (seed * 7 + i + 1) & 0x7FFFFFFF if st[n].dtype == Q_DTYPE else seed * 7 + i + 1
                            for i, n in enumerate(names)}}
