@@ -348,7 +348,8 @@ class ForgeOptimizer(Optimizer):
         with torch.no_grad():
             K.apply_rule(self.rule, weight.data[r0:r1], g * coef if coef != 1.0 else g,
                          K.state_slice(st, names, r0, r1), blk["hp"], blk["step"],
-                         stochastic_rounding=self.stochastic_rounding, seed=blk["seed"] + r0)
+                         stochastic_rounding=self.stochastic_rounding, seed=blk["seed"],
+                         offset=r0 * weight[0].numel())
 
     def _embedding_weight_backward(self, weight: Tensor, ids: Tensor, dy: Tensor, padding_idx: int | None) -> None:
         """Called from the fused embedding's backward: the dense gradient is built and applied per row block."""
