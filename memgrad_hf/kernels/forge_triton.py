@@ -20,6 +20,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from memgrad_hf.kernels import forge as K
+
+# State storage kinds (constexpr): fp32, bf16 (rounded to nearest; the second moment stochastically), 8-bit
+# (block-scaled e4m3 codes, blocks of 64 along a row = one tile's row; the second moment kept as sqrt(v)).
+F32, BF16, Q8 = 0, 1, 2
+
 
 @triton.jit
 def _round_bf16(x):
@@ -30,12 +36,96 @@ def _round_bf16(x):
 
 
 @triton.jit
+def _hash_bits(key, idx, BITS: tl.constexpr):
+    """The top ``BITS`` of lowbias32(key + idx) on uint32: :func:`memgrad_hf.kernels.forge.hash_bits`."""
+    x = idx + key
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x ^= x >> 16
+    return x >> (32 - BITS)
+
+
+@triton.jit
+def _round_stochastic(x, noise, DROP: tl.constexpr):
+    """Add ``noise`` (< 2^DROP) to fp32 bits and clear the low ``DROP`` bits (the twin's ``_sr_truncate``)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + noise) & ((0xFFFFFFFF >> DROP) << DROP)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_decode(code):
+    """e4m3fn code (uint8) -> fp32, exactly (normal codes by bits, subnormals as m·2^-9: no fp32 denormals)."""
+    c = code.to(tl.uint32)
+    e = (c >> 3) & 0xF
+    m = c & 0x7
+    normal = ((e + 120) << 23) | (m << 20)
+    mag = tl.where(e > 0, normal.to(tl.float32, bitcast=True), m.to(tl.float32) * 0.001953125)
+    return tl.where((c & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _e4m3_encode(y):
+    """fp32 (|y| <= 448) -> e4m3fn code, round to nearest even as torch's cast (subnormals on the 2^-9 grid)."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    r = (a + 0x7FFFF + ((a >> 20) & 1)) & 0xFFF00000  # 3 mantissa bits kept
+    normal = (r >> 20) - (120 << 3)
+    t = a.to(tl.float32, bitcast=True) * 512.0
+    sub = ((t + 8388608.0) - 8388608.0).to(tl.uint32)  # rint, ties to even (fp32 addition rounds so)
+    code = tl.where(a >= 0x3C800000, normal, sub)  # 0x3C800000 = 2^-6, e4m3's smallest normal
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _load_state(ptr, scale_ptr, offs, srow, mask, rmask, KIND: tl.constexpr, IS_SQRT: tl.constexpr):
+    if KIND == 2:  # ptr: the codes as uint8
+        y = _e4m3_decode(tl.load(ptr + offs, mask=mask, other=0))
+        s = tl.load(scale_ptr + srow, mask=rmask, other=1.0)  # one per tile row: its 64 columns are one block
+        y = y * s[:, None]
+        if IS_SQRT:
+            y = y * y
+        return y
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_state(ptr, scale_ptr, offs, srow, mask, x, rmask, key, idx, KIND: tl.constexpr, SR: tl.constexpr,
+                 IS_SQRT: tl.constexpr):
+    """Store an updated fp32 state tile as its kind; ``SR``: the second moment, rounded stochastically."""
+    if KIND == 2:
+        if IS_SQRT:
+            x = tl.sqrt_rn(x)
+        amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
+        s = tl.where(amax > 0, tl.div_rn(amax, 224.0), 1.0)
+        y = tl.div_rn(x, s[:, None])
+        if IS_SQRT:  # keep_positive: no denominator flushes to code 0
+            y = tl.maximum(y, 0.001953125)
+        if SR:
+            y = _round_stochastic(y, _hash_bits(key, idx, 20), 20)
+        tl.store(ptr + offs, _e4m3_encode(y), mask=mask)
+        tl.store(scale_ptr + srow, s, mask=rmask)
+    elif KIND == 1:
+        if SR:
+            x = _round_stochastic(x, _hash_bits(key, idx, 16), 16)
+        else:
+            x = _round_bf16(x)
+        tl.store(ptr + offs, x.to(tl.bfloat16), mask=mask)  # exact: the low 16 bits are already zero
+    else:
+        tl.store(ptr + offs, x, mask=mask)
+
+
+@triton.jit
 def _forge_linear_kernel(
-    dy_ptr, x_ptr, w_ptr, m_ptr, v_ptr, acc_ptr, norm_ptr, bad_ptr,
-    N, OUT, IN,
+    dy_ptr, x_ptr, w_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, acc_ptr, norm_ptr, bad_ptr,
+    N, OUT, IN, S_COLS,
     s_dyn, s_dyo, s_xn, s_xi, s_wo, s_wi,
-    lr, beta1, beta2, eps, wd, bc1, bc2_sqrt,
+    lr, beta1, beta2, eps, wd, bc1, bc2_sqrt, key_w, key_v,
     HAS_ACC: tl.constexpr, IS_LION: tl.constexpr, LOWP: tl.constexpr, IS_BF16: tl.constexpr, W_BF16: tl.constexpr,
+    M_KIND: tl.constexpr, V_KIND: tl.constexpr, W_SR: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
@@ -71,8 +161,12 @@ def _forge_linear_kernel(
     nonfinite = mask & ((g != g) | (tl.abs(g) == float("inf")))
     finite = tl.sum(tl.sum(nonfinite.to(tl.int32), axis=1), axis=0) == 0
     if finite:
+        # element index in the weight (row-major), for the rounding noise: the twin hashes the same index
+        idx = (rows[:, None] * IN + cols[None, :]).to(tl.uint32, bitcast=True)
+        soffs = rows[:, None] * IN + cols[None, :]  # state tensors are contiguous
+        srow = rows * S_COLS + pid_n  # 8-bit scales: [OUT, S_COLS], block pid_n of each row
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        m = _load_state(m_ptr, ms_ptr, soffs, srow, mask, rmask, M_KIND, False)
         w = w * (1.0 - lr * wd)
         if IS_LION:
             c = m + (g - m) * (1.0 - beta1)
@@ -80,18 +174,32 @@ def _forge_linear_kernel(
             w = w - lr * u
             m = m + (g - m) * (1.0 - beta2)
         else:
-            v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+            v = _load_state(v_ptr, vs_ptr, soffs, srow, mask, rmask, V_KIND, True)
             m = m + (g - m) * (1.0 - beta1)  # lerp, as torch's lerp_ (an FMA on CPU)
             v = v * beta2 + (1.0 - beta2) * g * g
             denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
             w = w + tl.div_rn(-(lr / bc1) * m, denom)
-            tl.store(v_ptr + offs, v, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        if W_BF16:
+            _store_state(v_ptr, vs_ptr, soffs, srow, mask, v, rmask, key_v.to(tl.uint32, bitcast=True), idx,
+                         V_KIND, True, True)
+        _store_state(m_ptr, ms_ptr, soffs, srow, mask, m, rmask, key_v.to(tl.uint32, bitcast=True), idx,
+                     M_KIND, False, False)
+        if W_BF16 and W_SR:
+            w = _round_stochastic(w, _hash_bits(key_w.to(tl.uint32, bitcast=True), idx, 16), 16)
+        elif W_BF16:
             w = _round_bf16(w)
         tl.store(w_ptr + offs, w.to(w_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(bad_ptr, 1)
+
+
+def _kind(t: Tensor) -> int:
+    if t.dtype == torch.float32:
+        return F32
+    if t.dtype == torch.bfloat16:
+        return BF16
+    if t.dtype == K.Q_DTYPE:
+        return Q8
+    raise ValueError(f"the Triton FORGE kernel takes fp32, bf16 or 8-bit optimizer state; got {t.dtype}")
 
 
 def linear_weight_step(
@@ -103,34 +211,49 @@ def linear_weight_step(
     hp: dict[str, Any],
     step: int,
     acc: Tensor | None = None,
+    *,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
     **_: Any,
 ) -> tuple[Tensor, Tensor]:
     """Same contract as the torch twin: update ``w`` and ``st`` in place from ``dW = dyᵀx (+ acc)``; returns
-    ``(Σ dW², number of tiles skipped for non-finite values)`` as device tensors. fp32 state only."""
+    ``(Σ dW², number of tiles skipped for non-finite values)`` as device tensors. State in fp32, bf16 or 8-bit
+    (``st`` then also holds ``<name>.scale``); bf16 weights rounded to nearest or, with ``stochastic_rounding``,
+    stochastically with the twin's noise (a hash of ``seed`` and the element index)."""
     if rule not in ("adamw", "lion"):
         raise ValueError(f"no Triton FORGE kernel for rule {rule!r}")
     n, out_f = dy.shape
     in_f = x.shape[1]
     lr, (b1, b2), wd = hp["lr"], hp["betas"], hp["weight_decay"]
     eps = hp.get("eps", 0.0)
+    names = K.RULES[rule][1]
     m = st["exp_avg"]
     v = st.get("exp_avg_sq", m)
-    if m.dtype != torch.float32 or v.dtype != torch.float32 or not w.is_contiguous():
-        raise ValueError("the Triton FORGE kernel takes contiguous weights and fp32 optimizer state")
+    if not (w.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
+        raise ValueError("the Triton FORGE kernel takes contiguous weights and optimizer state")
+    m_kind, v_kind = _kind(m), _kind(v)
     norm = torch.zeros((), dtype=torch.float32, device=w.device)
     bad = torch.zeros((), dtype=torch.int32, device=w.device)
     lowp = dy.dtype in (torch.bfloat16, torch.float16) and x.dtype == dy.dtype
     # 64x64 tiles: a few thousand programs for an LLM's projections, and the epilogue's weight + state tiles
-    # stay in registers; K steps of 64 for tensor-core dots, 32 for the register-heavier fp32 ones.
+    # stay in registers; K steps of 64 for tensor-core dots, 32 for the register-heavier fp32 ones. 64 columns are
+    # also one 8-bit scale block (K.Q_BLOCK), so a tile's row owns its block's scale.
     bm, bn, bk = 64, 64, 64 if lowp else 32
+    assert bn == K.Q_BLOCK
+    seeds = K.rounding_seeds(seed, names)
+    scale = {k: st.get(k + ".scale", w) for k in names}  # w: a placeholder pointer where no scales exist
     grid = (triton.cdiv(out_f, bm), triton.cdiv(in_f, bn))
     _forge_linear_kernel[grid](
-        dy, x, w, m, v, acc if acc is not None else w, norm, bad,
-        n, out_f, in_f,
+        dy, x, w, *(t.view(torch.uint8) if t.dtype == K.Q_DTYPE else t for t in (m, v)),  # codes as bytes
+        scale["exp_avg"], scale.get("exp_avg_sq", scale["exp_avg"]),
+        acc if acc is not None else w, norm, bad,
+        n, out_f, in_f, triton.cdiv(in_f, K.Q_BLOCK),
         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         float(lr), float(b1), float(b2), float(eps), float(wd), float(1 - b1**step), float((1 - b2**step) ** 0.5),
+        K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[names[-1]])),
         HAS_ACC=acc is not None, IS_LION=rule == "lion", LOWP=lowp, IS_BF16=dy.dtype == torch.bfloat16,
-        W_BF16=w.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk,
+        W_BF16=w.dtype == torch.bfloat16, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding),
+        BM=bm, BN=bn, BK=bk,
         # the interpreter's dot misreads bf16 operands; upcast there (exact products, the same fp32 sums)
         TENSOR_CORES=lowp and os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=4, num_stages=3,

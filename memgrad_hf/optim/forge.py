@@ -105,6 +105,7 @@ class ForgeOptimizer(Optimizer):
         self._prev_norm: float | None = None
         self._stash: dict[Tensor, Tensor] = {}
         self._nonfinite_seen = False
+        self._bad_tiles: Tensor | int = 0  # skipped fused tiles, summed on the device (read once, in step())
         self._norm_sq_now: Tensor | float = 0.0
         self._group_index = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_index_pos = {p: k for k, p in enumerate(self._group_index)}
@@ -305,8 +306,7 @@ class ForgeOptimizer(Optimizer):
             )
         if self.max_grad_norm <= 0 or self.clip == "previous":
             self._norm_sq_now = self._norm_sq_now + norm_sq.double() / (coef * coef)
-        if bool(bad):
-            self._nonfinite_seen = True
+        self._bad_tiles = self._bad_tiles + bad  # no host sync per layer: step() reads the sum
 
     # Row blocks of a weight gradient pushed to the optimizer one at a time (embedding, chunked LM head).
 
@@ -380,9 +380,9 @@ class ForgeOptimizer(Optimizer):
         return consume
 
     def _weight_step_impl(self, weight: Tensor):
-        """The Triton kernel on CUDA for fp32 state without stochastic rounding, else the torch twin."""
-        if (backend(weight.device) == "triton" and self.state_dtype == torch.float32
-                and not self.stochastic_rounding and weight.is_contiguous()):
+        """The Triton kernel on CUDA (fp32, bf16 or 8-bit state; nearest or stochastic rounding: the same noise as
+        the twin), else the torch twin."""
+        if backend(weight.device) == "triton" and weight.is_contiguous() and self.rule in ("adamw", "lion"):
             from memgrad_hf.kernels import forge_triton
 
             return forge_triton.linear_weight_step
@@ -415,6 +415,9 @@ class ForgeOptimizer(Optimizer):
             self.last_grad_norm = math.sqrt(now) if math.isfinite(now) else float("nan")
             self._prev_norm = self.last_grad_norm
             self._norm_sq_now = 0.0
+        if bool(self._bad_tiles):
+            self._nonfinite_seen = True
+        self._bad_tiles = 0
         if self._nonfinite_seen:
             self.skipped_steps += 1
             log.warning("forge: non-finite gradients were not applied (tensors skipped; %d steps affected so far)",
