@@ -21,14 +21,16 @@ class ForgeLinearFunction(torch.autograd.Function):
         wc = weight if weight.dtype == dt else weight.to(dt)
         bc = None if bias is None else (bias if bias.dtype == dt else bias.to(dt))
         out = F.linear(xc, wc, bc)
-        ctx.save_for_backward(xc, weight, bias)
-        ctx.opt, ctx.dt = opt, dt
+        ctx.save_for_backward(xc)
+        # the parameters themselves, not saved copies: under non-reentrant checkpointing saved tensors come back as
+        # recomputed aliases, and the optimizer finds a weight's state and group by the Parameter object
+        ctx.weight, ctx.bias, ctx.opt, ctx.dt = weight, bias, opt, dt
         return out
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor):
-        x, weight, bias = ctx.saved_tensors
-        opt, dt = ctx.opt, ctx.dt
+        (x,) = ctx.saved_tensors
+        weight, bias, opt, dt = ctx.weight, ctx.bias, ctx.opt, ctx.dt
         dy2 = dy.reshape(-1, dy.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         dx = None
