@@ -33,6 +33,13 @@ CONFIGS = {
     "forge_adamw+head": dict(optim="forge_adamw", patch=True),
     "forge_adamw+bf16_state+head": dict(optim="forge_adamw", optim_args="state_dtype=bf16", patch=True),
     "forge_lion+head": dict(optim="forge_lion", patch=True),
+    "forge_adamw+8bit_state+head": dict(optim="forge_adamw", optim_args="state_dtype=8bit", patch=True),
+    # gradient checkpointing (activations recomputed in backward): what is left is weights, state and gradients
+    "adamw_torch_fused+gc": dict(optim="adamw_torch_fused", gradient_checkpointing=True),
+    "forge_adamw+bf16_state+head+gc": dict(optim="forge_adamw", optim_args="state_dtype=bf16", patch=True,
+                                           gradient_checkpointing=True),
+    "forge_adamw+8bit_state+head+gc": dict(optim="forge_adamw", optim_args="state_dtype=8bit", patch=True,
+                                           gradient_checkpointing=True),
 }
 
 
@@ -62,6 +69,37 @@ def setup(device: str, config: str, hidden: int, layers: int, vocab: int, batch:
 
 
 STEP_TIMES: dict[str, list[float]] = {}  # config -> seconds of every step after each run's first (timing runs)
+
+
+def _step_profiler(config: str, device: str, last_step: int):
+    """Profiles the run's last step and prints the ops that took the most time (device time on a GPU) and the
+    number of host syncs: where a configuration's step time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import TrainerCallback
+
+    cuda = device.startswith("cuda")
+
+    class StepProfiler(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == last_step - 1:
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                self.prof = profile(activities=acts)
+                self.prof.__enter__()
+
+        def on_step_end(self, args, state, control, **kw):
+            if getattr(self, "prof", None) is None:
+                return
+            if cuda:
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            ev = self.prof.key_averages()
+            syncs = sum(e.count for e in ev if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                          "aten::_local_scalar_dense"))
+            print(f"\n### profile of one step: {config} (host syncs / scalar reads: {syncs})\n")
+            print(ev.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=15))
+            self.prof = None
+
+    return StepProfiler()
 
 
 def _step_timer(config: str, sync: bool):
@@ -96,6 +134,8 @@ def run(s: dict) -> None:
     t = Trainer(model=s["model"], args=TrainingArguments(**kw), train_dataset=s["data"])
     t.remove_callback(PrinterCallback)
     t.add_callback(_step_timer(s["config"], s["device"].startswith("cuda")))
+    if s.get("profile"):
+        t.add_callback(_step_profiler(s["config"], s["device"], s["steps"]))
     t.train()
     opt = getattr(t.optimizer, "optimizer", t.optimizer)
     if hasattr(opt, "detach"):
@@ -116,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", action="store_true",
+                   help="after the table, run each configuration once more and profile its last step")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     kw = dict(hidden=a.hidden, layers=a.layers, vocab=a.vocab, batch=a.batch, seq=a.seq, steps=a.steps, bf16=a.bf16)
@@ -140,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         rm = f"{m['added_mib'] / base_m['added_mib']:.2f}x" if base_m and base_m["ok"] else ""
         rt = f"{med / base_t:.2f}x" if base_t else ""
         print(f"| {c.name} | {m['added_mib']:.0f} | {rm} | {min(t):.3f} / {med:.3f} | {rt} |", flush=True)
+    if a.profile:
+        for c in cases:
+            run({**setup(a.device, c.name, **kw), "profile": True})
     return 0
 
 

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
-#   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge]   (default: all)
+#   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
+#   (default: all)
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
-# (2026-11-22): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~2 (five configs; ~5.5 with all nine), titans (kernel
+# (2026-11-22): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~2 (five configs; ~5.5 with nine; now eight), titans (kernel
 # table, four shapes) ~4, titans-layer (vs titans-pytorch) not yet seen: plan device calls of <= 10 min around them.
 set -u
-out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [checks titans titans-layer head grpo forge]}
+out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [checks titans titans-layer head grpo forge forge-profile]}
 shift
-parts=${*:-checks titans titans-layer head grpo forge}
+parts=${*:-checks titans titans-layer head grpo forge forge-profile}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 status=0
@@ -26,9 +27,13 @@ for part in $parts; do
     grpo) python -m benchmarks.grpo --device cuda --repeats 10 2>&1 | tee "$out/grpo.md" ;;
     forge)  # ~1B Llama-style model, bf16 weights, batch 1 x 1024 tokens
       python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
-        --seq 1024 --steps 6 --repeats 1 --configs adamw_torch adamw_torch_fused adalomo forge_adamw \
-        forge_adamw+bf16_state forge_adamw+8bit_state forge_lion forge_adamw+head forge_adamw+bf16_state+head \
-        2>&1 | tee "$out/forge.md" ;;
+        --seq 1024 --steps 6 --repeats 1 --configs adamw_torch_fused forge_adamw+bf16_state \
+        forge_adamw+8bit_state forge_lion forge_adamw+8bit_state+head adamw_torch_fused+gc \
+        forge_adamw+bf16_state+head+gc forge_adamw+8bit_state+head+gc 2>&1 | tee "$out/forge.md" ;;
+    forge-profile)  # where a step's time goes (top kernels by device time, host syncs)
+      python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
+        --seq 1024 --steps 4 --repeats 1 --profile --configs adamw_torch_fused forge_lion forge_adamw+bf16_state \
+        2>&1 | tee "$out/forge-profile.md" ;;
     *) echo "unknown part $part"; status=1 ;;
   esac
 done
