@@ -200,3 +200,27 @@ def test_forge_with_gradient_checkpointing_and_exact_clipping(tmp_path, reentran
     assert la == pytest.approx(lb, rel=1e-5)
     assert ga == pytest.approx(gb, rel=1e-4)
     _assert_weights_close(model, ref)
+
+
+def test_forge_under_bf16_autocast_equals_adamw_torch(tmp_path):
+    # Trainer(bf16=True) on fp32 weights: the fused linears compute in bf16 like autocast's nn.Linear and hand the
+    # optimizer the fp32-cast bf16 weight gradient, as autograd does
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    _, la, _ = _train(model, _args(tmp_path / "f", "forge_adamw", bf16=True))
+    _, lb, _ = _train(ref, _args(tmp_path / "r", "adamw_torch", bf16=True))
+    assert la == pytest.approx(lb, rel=1e-5)
+    _assert_weights_close(model, ref)
+
+
+def test_forge_trains_titans_injected_model_like_adamw_torch(tmp_path):
+    from memgrad_hf.titans import TitansConfig
+
+    model = tiny_model("llama")
+    memgrad_hf.patch_model(model, titans=TitansConfig(layers=[0]))
+    ref = copy.deepcopy(model)
+    _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw"))
+    _, lb, gb = _train(ref, _args(tmp_path / "r", "adamw_torch"))
+    assert la == pytest.approx(lb, rel=1e-5)
+    assert ga == pytest.approx(gb, rel=1e-4)
+    _assert_weights_close(model, ref)
