@@ -35,11 +35,11 @@ CONFIGS = {
     "forge_lion+head": dict(optim="forge_lion", patch=True),
     "forge_adamw+8bit_state+head": dict(optim="forge_adamw", optim_args="state_dtype=8bit", patch=True),
     # gradient checkpointing (activations recomputed in backward): what is left is weights, state and gradients
-    "adamw_torch_fused+gc": dict(optim="adamw_torch_fused", gradient_checkpointing=True),
+    "adamw_torch_fused+gc": dict(optim="adamw_torch_fused", activation_checkpointing=True),
     "forge_adamw+bf16_state+head+gc": dict(optim="forge_adamw", optim_args="state_dtype=bf16", patch=True,
-                                           gradient_checkpointing=True),
+                                           activation_checkpointing=True),
     "forge_adamw+8bit_state+head+gc": dict(optim="forge_adamw", optim_args="state_dtype=8bit", patch=True,
-                                           gradient_checkpointing=True),
+                                           activation_checkpointing=True),
 }
 
 

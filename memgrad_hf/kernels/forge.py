@@ -311,6 +311,7 @@ def apply_rule_chunked(
     chunk_elems: int = 1 << 20,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    offset: int = 0,
 ) -> None:
     """:func:`apply_rule` on a whole tensor in flat chunks, so the rule's temporaries stay chunk-sized
     (element-wise rules: the result is identical to one call on the whole tensor). ``coef`` scales ``g``."""
@@ -318,7 +319,7 @@ def apply_rule_chunked(
     if not (p.is_contiguous() and g.is_contiguous() and all(v.is_contiguous() for v in st.values())) or any(
             v.dtype == Q_DTYPE for v in st.values()):
         apply_rule(rule, p, g * coef if coef != 1.0 else g, st, hp, step,
-                   stochastic_rounding=stochastic_rounding, seed=seed)
+                   stochastic_rounding=stochastic_rounding, seed=seed, offset=offset)
         return
     fp, fg = p.view(-1), g.reshape(-1)
     fst = {k: v.view(-1) for k, v in st.items()}
@@ -326,7 +327,34 @@ def apply_rule_chunked(
         j = min(i + chunk_elems, fp.numel())
         gi = fg[i:j] * coef if coef != 1.0 else fg[i:j]
         apply_rule(rule, fp[i:j], gi, {k: v[i:j] for k, v in fst.items()}, hp, step,
-                   stochastic_rounding=stochastic_rounding, seed=seed, offset=i)
+                   stochastic_rounding=stochastic_rounding, seed=seed, offset=offset + i)
+
+
+def update_step(
+    rule: str,
+    p: Tensor,
+    g: Tensor,
+    st: dict[str, Tensor],
+    hp: dict[str, Any],
+    step: int,
+    *,
+    coef: float = 1.0,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+    exact_norm: bool = True,
+    chunk_elems: int = 1 << 20,
+) -> tuple[Tensor, Tensor]:
+    """Update ``p`` (a parameter, or a contiguous row block of one starting at element ``offset``) and its state from
+    its gradient ``g`` scaled by ``coef``, unless ``g`` has a non-finite value; returns ``(Σ g², skipped)`` (the
+    norm before scaling). The torch twin of :func:`memgrad_hf.kernels.forge_triton.update_step`, which decides
+    finiteness per tile on the device instead of once here."""
+    g_sq = norm_sq(g, exact_norm)  # also the finiteness check (one pass)
+    if not bool(torch.isfinite(g_sq)):
+        return g_sq, torch.ones((), dtype=torch.int32, device=p.device)
+    apply_rule_chunked(rule, p, g, st, hp, step, coef=coef, chunk_elems=chunk_elems,
+                       stochastic_rounding=stochastic_rounding, seed=seed, offset=offset)
+    return g_sq, torch.zeros((), dtype=torch.int32, device=p.device)
 
 
 # ---------------------------------------------------------------------------------------------- fused linear

@@ -123,8 +123,9 @@ def _forge_linear_kernel(
     dy_ptr, x_ptr, w_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, acc_ptr, norm_ptr, bad_ptr,
     N, OUT, IN, S_COLS,
     s_dyn, s_dyo, s_xn, s_xi, s_wo, s_wi,
-    lr, beta1, beta2, eps, wd, bc1, bc2_sqrt, key_w, key_v,
-    HAS_ACC: tl.constexpr, IS_LION: tl.constexpr, LOWP: tl.constexpr, IS_BF16: tl.constexpr, W_BF16: tl.constexpr,
+    lr, beta1, beta2, eps, wd, bc1, bc2_sqrt, key_w, key_v, coef, idx_off,
+    FROM_GRAD: tl.constexpr, HAS_ACC: tl.constexpr, IS_LION: tl.constexpr, LOWP: tl.constexpr,
+    IS_BF16: tl.constexpr, W_BF16: tl.constexpr,
     M_KIND: tl.constexpr, V_KIND: tl.constexpr, W_SR: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -136,23 +137,24 @@ def _forge_linear_kernel(
     rmask = rows < OUT
     cmask = cols < IN
     g = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, N, BK):
-        ks = k0 + tl.arange(0, BK)
-        kmask = ks < N
-        dyt = tl.load(dy_ptr + ks[None, :] * s_dyn + rows[:, None] * s_dyo,
-                      mask=rmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK] = dYᵀ
-        xt = tl.load(x_ptr + ks[:, None] * s_xn + cols[None, :] * s_xi,
-                     mask=kmask[:, None] & cmask[None, :], other=0.0)  # [BK, BN]
-        if TENSOR_CORES:
-            g = tl.dot(dyt, xt, g)
-        else:
-            g = tl.dot(dyt.to(tl.float32), xt.to(tl.float32), g, input_precision="ieee")
-    # The gradient a bf16/fp16 linear layer gets from autograd is rounded to its dtype (the twin's too). bf16:
-    # round-to-nearest-even on the bits (the interpreter's cast truncates; this is the same compiled or not).
-    if LOWP and IS_BF16:
-        g = _round_bf16(g)
-    elif LOWP:
-        g = g.to(dy_ptr.dtype.element_ty).to(tl.float32)
+    if not FROM_GRAD:  # else the gradient is given (in acc_ptr): an update kernel for any tensor
+        for k0 in range(0, N, BK):
+            ks = k0 + tl.arange(0, BK)
+            kmask = ks < N
+            dyt = tl.load(dy_ptr + ks[None, :] * s_dyn + rows[:, None] * s_dyo,
+                          mask=rmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK] = dYᵀ
+            xt = tl.load(x_ptr + ks[:, None] * s_xn + cols[None, :] * s_xi,
+                         mask=kmask[:, None] & cmask[None, :], other=0.0)  # [BK, BN]
+            if TENSOR_CORES:
+                g = tl.dot(dyt, xt, g)
+            else:
+                g = tl.dot(dyt.to(tl.float32), xt.to(tl.float32), g, input_precision="ieee")
+        # The gradient a bf16/fp16 linear layer gets from autograd is rounded to its dtype (the twin's too). bf16:
+        # round-to-nearest-even on the bits (the interpreter's cast truncates; this is the same compiled or not).
+        if LOWP and IS_BF16:
+            g = _round_bf16(g)
+        elif LOWP:
+            g = g.to(dy_ptr.dtype.element_ty).to(tl.float32)
     mask = rmask[:, None] & cmask[None, :]
     offs = rows[:, None] * s_wo + cols[None, :] * s_wi
     if HAS_ACC:
@@ -161,8 +163,9 @@ def _forge_linear_kernel(
     nonfinite = mask & ((g != g) | (tl.abs(g) == float("inf")))
     finite = tl.sum(tl.sum(nonfinite.to(tl.int32), axis=1), axis=0) == 0
     if finite:
-        # element index in the weight (row-major), for the rounding noise: the twin hashes the same index
-        idx = (rows[:, None] * IN + cols[None, :]).to(tl.uint32, bitcast=True)
+        g = g * coef  # the clip coefficient (after the norm, which is logged unclipped)
+        # element index in the parameter (row-major), for the rounding noise: the twin hashes the same index
+        idx = (rows[:, None] * IN + cols[None, :]).to(tl.uint32, bitcast=True) + idx_off.to(tl.uint32, bitcast=True)
         soffs = rows[:, None] * IN + cols[None, :]  # state tensors are contiguous
         srow = rows * S_COLS + pid_n  # 8-bit scales: [OUT, S_COLS], block pid_n of each row
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -250,12 +253,64 @@ def linear_weight_step(
         n, out_f, in_f, triton.cdiv(in_f, K.Q_BLOCK),
         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         float(lr), float(b1), float(b2), float(eps), float(wd), float(1 - b1**step), float((1 - b2**step) ** 0.5),
-        K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[names[-1]])),
-        HAS_ACC=acc is not None, IS_LION=rule == "lion", LOWP=lowp, IS_BF16=dy.dtype == torch.bfloat16,
+        K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[names[-1]])), 1.0, 0,
+        FROM_GRAD=False, HAS_ACC=acc is not None, IS_LION=rule == "lion", LOWP=lowp, IS_BF16=dy.dtype == torch.bfloat16,
         W_BF16=w.dtype == torch.bfloat16, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding),
         BM=bm, BN=bn, BK=bk,
         # the interpreter's dot misreads bf16 operands; upcast there (exact products, the same fp32 sums)
         TENSOR_CORES=lowp and os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=4, num_stages=3,
+    )
+    return norm, bad
+
+
+def update_step(
+    rule: str,
+    p: Tensor,
+    g: Tensor,
+    st: dict[str, Tensor],
+    hp: dict[str, Any],
+    step: int,
+    *,
+    coef: float = 1.0,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """The update of any parameter (or contiguous row block of one) from its given gradient ``g``, in one kernel and
+    without a host sync: the twin of :func:`memgrad_hf.kernels.forge.update_step` (same signature). ``coef`` scales
+    ``g`` after its norm is taken; ``offset``: index of ``p``'s first element in the whole parameter (noise)."""
+    if rule not in ("adamw", "lion"):
+        raise ValueError(f"no Triton FORGE kernel for rule {rule!r}")
+    names = K.RULES[rule][1]
+    if not (p.is_contiguous() and g.is_contiguous() and all(v.is_contiguous() for v in st.values())):
+        raise ValueError("the Triton FORGE update takes contiguous tensors")
+    cols = p.shape[-1] if p.dim() >= 2 else max(p.numel(), 1)
+    as2d = lambda t: t.view(-1, cols) if t.dim() >= 2 and t.shape[-1] == cols else t.view(1, -1)  # noqa: E731
+    p2, g2 = as2d(p), as2d(g)
+    m = as2d(st["exp_avg"])
+    v = as2d(st.get("exp_avg_sq", st["exp_avg"]))
+    scale = {k: st[k + ".scale"] for k in names if k + ".scale" in st}
+    out_f, in_f = p2.shape
+    norm = torch.zeros((), dtype=torch.float32, device=p.device)
+    bad = torch.zeros((), dtype=torch.int32, device=p.device)
+    seeds = K.rounding_seeds(seed, names)
+    bm, bn = (64, 64) if out_f > 1 else (1, 1024)  # a 1-row tensor (a norm's gain): wide tiles, no masked rows
+    if scale:
+        bm, bn = 64, K.Q_BLOCK  # 8-bit state: a tile's row is one scale block
+    grid = (triton.cdiv(out_f, bm), triton.cdiv(in_f, bn))
+    _forge_linear_kernel[grid](
+        g2, g2, p2, *(t.view(torch.uint8) if t.dtype == K.Q_DTYPE else t for t in (m, v)),
+        scale.get("exp_avg", p2), scale.get("exp_avg_sq", scale.get("exp_avg", p2)), g2, norm, bad,
+        0, out_f, in_f, triton.cdiv(in_f, K.Q_BLOCK),
+        0, 0, 0, 0, p2.stride(0), p2.stride(1),
+        float(hp["lr"]), float(hp["betas"][0]), float(hp["betas"][1]), float(hp.get("eps", 0.0)),
+        float(hp["weight_decay"]), float(1 - hp["betas"][0] ** step), float((1 - hp["betas"][1] ** step) ** 0.5),
+        K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[names[-1]])), float(coef),
+        K._as_int32(offset),
+        FROM_GRAD=True, HAS_ACC=True, IS_LION=rule == "lion", LOWP=False, IS_BF16=False,
+        W_BF16=p.dtype == torch.bfloat16, M_KIND=_kind(m), V_KIND=_kind(v), W_SR=bool(stochastic_rounding),
+        BM=bm, BN=bn, BK=16, TENSOR_CORES=False, num_warps=4, num_stages=1,
     )
     return norm, bad

@@ -249,21 +249,33 @@ class ForgeOptimizer(Optimizer):
     def _apply(self, p: Tensor, g: Tensor) -> None:
         """Update a hooked (non-fused) parameter from its complete gradient, then the gradient is dropped."""
         hp, st = self._hp(p), self._state(p)
-        g_sq = K.norm_sq(g, self._exact_norm)  # also the finiteness check (one pass)
-        if self.max_grad_norm <= 0 or self.clip == "previous":  # the norm is logged (and used next step)
-            self._norm_sq_now = self._norm_sq_now + g_sq
-        if not bool(torch.isfinite(g_sq)):
-            self._nonfinite_seen = True
-            return
         coef = self._clip_coef()
         st["step"] += 1
         step = int(st["step"].item())
         # reproducible rounding noise: a function of (parameter, step) only, so resumed runs match
         seed = (self._group_index_pos[p] * 1_000_003 + step * 1_009) & 0x7FFFFFFF
+        self._update(p, p.data, g, {k: v for k, v in st.items() if k != "step"}, hp, step, coef, seed, 0)
+
+    def _update(self, p: Tensor, target: Tensor, g: Tensor, st: dict[str, Tensor], hp: dict[str, Any], step: int,
+                coef: float, seed: int, offset: int) -> None:
+        """Apply the rule to ``target`` (``p`` or a row block of it at element ``offset``) from the gradient ``g``;
+        its norm is logged, a non-finite ``g`` is skipped and counted (on a GPU, per tile, without a host sync)."""
+        impl = self._update_impl(p)
         with torch.no_grad():
-            K.apply_rule_chunked(self.rule, p.data, g, {k: v for k, v in st.items() if k != "step"}, hp, step,
-                                 coef=coef, chunk_elems=max(self._tile_bytes(p) // 4, 1),
-                                 stochastic_rounding=self.stochastic_rounding, seed=seed)
+            g_sq, bad = impl(self.rule, target, g, st, hp, step, coef=coef, seed=seed, offset=offset,
+                             stochastic_rounding=self.stochastic_rounding, exact_norm=self._exact_norm,
+                             chunk_elems=max(self._tile_bytes(p) // 4, 1))
+        if self.max_grad_norm <= 0 or self.clip == "previous":  # the norm is logged (and used next step)
+            self._norm_sq_now = self._norm_sq_now + g_sq.double()
+        self._bad_tiles = self._bad_tiles + bad
+
+    def _update_impl(self, p: Tensor):
+        """One Triton kernel per update on CUDA (no host sync, no temporaries), else the torch twin."""
+        if backend(p.device) == "triton" and p.is_contiguous() and self.rule in ("adamw", "lion"):
+            from memgrad_hf.kernels import forge_triton
+
+            return forge_triton.update_step
+        return K.update_step
 
     def _tile_bytes(self, p: Tensor) -> int:
         """Bytes of one weight-gradient tile: ``tile_bytes`` if given; else 4 MiB on CPU (cache-sized work) and
@@ -338,18 +350,9 @@ class ForgeOptimizer(Optimizer):
             return
         if self._mode == "skip":
             return
-        g_sq = K.norm_sq(g, self._exact_norm)
-        if self.max_grad_norm <= 0 or self.clip == "previous":
-            self._norm_sq_now = self._norm_sq_now + g_sq
-        if not bool(torch.isfinite(g_sq)):
-            self._nonfinite_seen = True
-            return
-        coef, names, st = blk["coef"], K.RULES[self.rule][1], blk["st"]
-        with torch.no_grad():
-            K.apply_rule(self.rule, weight.data[r0:r1], g * coef if coef != 1.0 else g,
-                         K.state_slice(st, names, r0, r1), blk["hp"], blk["step"],
-                         stochastic_rounding=self.stochastic_rounding, seed=blk["seed"],
-                         offset=r0 * weight[0].numel())
+        names = K.RULES[self.rule][1]
+        self._update(weight, weight.data[r0:r1], g, K.state_slice(blk["st"], names, r0, r1), blk["hp"], blk["step"],
+                     blk["coef"], blk["seed"], r0 * weight[0].numel())
 
     def _embedding_weight_backward(self, weight: Tensor, ids: Tensor, dy: Tensor, padding_idx: int | None) -> None:
         """Called from the fused embedding's backward: the dense gradient is built and applied per row block."""

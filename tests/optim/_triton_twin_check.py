@@ -129,6 +129,58 @@ def check_lowp_state(rule: str, state: str, stochastic: bool, step: int, device:
     return worst
 
 
+def check_update(rule: str, case: str, device: str = "cpu") -> float:
+    """The update kernel for given gradients (norms, biases, embedding and head blocks) against the torch twin:
+    a 1-D fp32 gain, a bf16 row block with bf16 state and stochastic rounding (at an element offset, clipped), and an
+    8-bit-state matrix. Returns the worst relative error of fp32 values / fraction of rounded values that differ
+    (raising if any rounded value is more than one step away), and checks the norm."""
+    g = torch.Generator().manual_seed(len(case) + len(rule))
+    hp = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+    names = K.RULES[rule][1]
+    kw: dict = {}
+    if case == "gain":  # 1-D, fp32 everything, 300 elements (partial tiles)
+        p = torch.randn(300, generator=g)
+        grad = torch.randn(300, generator=g)
+        st = {k: torch.rand(300, generator=g) * 0.1 for k in names}
+    elif case == "bf16_block":  # rows 40..72 of a bf16 matrix, bf16 state, stochastic rounding, clipped
+        p = torch.randn(32, 136, generator=g).bfloat16()
+        grad = (torch.randint(-8, 8, (32, 136), generator=g) / 4).bfloat16()
+        st = {k: (torch.rand(32, 136, generator=g) * 1e-2).bfloat16() for k in names}
+        kw = dict(stochastic_rounding=True, seed=99, offset=40 * 136, coef=0.5)
+    else:  # 8-bit state, fp32 matrix
+        p = torch.randn(80, 136, generator=g)
+        grad = torch.randint(-8, 8, (80, 136), generator=g) / 4
+        st = {}
+        for k in names:
+            val = torch.rand(80, 136, generator=g) * 1e-2
+            st[k], st[k + ".scale"] = K.quantize_8bit(val.sqrt() if k == "exp_avg_sq" else val)
+        kw = dict(seed=5)
+    p, grad = p.to(device), grad.to(device)
+    st = {k: v.to(device) for k, v in st.items()}
+    p1, st1 = p.clone(), {k: v.clone() for k, v in st.items()}
+    p2, st2 = p.clone(), {k: v.clone() for k, v in st.items()}
+    n1, b1 = K.update_step(rule, p1, grad, st1, hp, 4, **kw)
+    n2, b2 = T.update_step(rule, p2, grad, st2, hp, 4, **kw)
+    assert int(b1) == int(b2) == 0 and not torch.equal(p1, p)
+    assert abs(n1.item() - n2.item()) <= 1e-5 * n1.item(), (n1.item(), n2.item())
+    worst = 0.0
+    pairs = [(p1, p2)] + [(st1[k], st2[k]) for k in names]
+    for a, b in pairs:
+        if a.dtype == torch.float32:
+            worst = max(worst, ((a - b).abs().max() / a.abs().max()).item())
+            continue
+        if a.dtype == K.Q_DTYPE:  # codes (the scales may differ in their last bit): one e4m3 step is <= 2^-3
+            a, b = K._e4m3_to_float(a), K._e4m3_to_float(b)
+            step_size = 2**-3 * a.abs() + 2**-9
+        else:
+            step_size = torch.finfo(torch.bfloat16).eps * 2 * a.float().abs()
+        diff = (a.float() - b.float()).abs()
+        assert (diff <= step_size * 1.0001 + 1e-30).all(), (rule, case)
+        worst = max(worst, (diff > 0).float().mean().item())
+    print(f"update {rule} {case}: worst {worst:.2e}")
+    return worst
+
+
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     results = [check(rule, acc, step, dev) for rule in ("adamw", "lion") for acc in (False, True) for step in (1, 7)]
@@ -137,6 +189,8 @@ if __name__ == "__main__":
     # reduced-precision state: nearly all values bit-identical (the same noise hash), the rest one step apart
     bf16_ok &= max(check_lowp_state(rule, state, sr, 3, dev) for rule in ("adamw", "lion")
                    for state in ("bf16", "8bit") for sr in (False, True)) <= 0.01
+    bf16_ok &= max(check_update(rule, case, dev) for rule in ("adamw", "lion")
+                   for case in ("gain", "bf16_block", "8bit")) <= 0.01
     if dev == "cpu":
         print(f"max relative error {worst:.3e}")
         sys.exit(0 if worst < 1e-5 and bf16_ok else 1)

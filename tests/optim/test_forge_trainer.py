@@ -192,7 +192,7 @@ def test_forge_with_gradient_checkpointing_and_exact_clipping(tmp_path, reentran
     # recomputed forwards run the fused linears again; the norm pass and the update pass each recompute
     model = tiny_model("llama")
     ref = copy.deepcopy(model)
-    gc = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+    gc = dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": reentrant},
               max_grad_norm=0.05)
     _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw", **gc))
     _, lb, gb = _train(ref, _args(tmp_path / "r", "adamw_torch", **gc))

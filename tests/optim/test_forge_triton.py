@@ -14,3 +14,11 @@ def test_triton_kernel_matches_torch_twin_under_interpreter():
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "max relative error" in res.stdout
+
+
+def test_forge_in_trainer_through_triton_kernels_equals_adamw_torch():
+    env = dict(os.environ, TRITON_INTERPRET="1", MEMGRAD_BACKEND="triton", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    res = subprocess.run([sys.executable, str(ROOT / "tests" / "optim" / "_triton_trainer_check.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "max relative weight error" in res.stdout

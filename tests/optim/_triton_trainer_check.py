@@ -1,0 +1,41 @@
+"""Run under TRITON_INTERPRET=1 MEMGRAD_BACKEND=triton (by test_forge_triton.py): forge_adamw in HF Trainer with
+exact clipping, every update through the Triton kernels (fused linears: ``linear_weight_step``; embeddings, norms:
+``update_step``), against adamw_torch. Prints the kernel call counts and the largest relative weight difference."""
+
+import copy
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import memgrad_hf  # noqa: E402,F401  (registers forge_*)
+from memgrad_hf.kernels import forge_triton as T  # noqa: E402
+from tests.optim.test_forge_trainer import _args, _train  # noqa: E402
+from tests.tiny_models import tiny_model  # noqa: E402
+
+
+def main() -> int:
+    calls = {"linear_weight_step": 0, "update_step": 0}
+    for name in calls:
+        original = getattr(T, name)
+
+        def counted(*a, _f=original, _n=name, **k):
+            calls[_n] += 1
+            return _f(*a, **k)
+
+        setattr(T, name, counted)
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        _, la, ga = _train(model, _args(Path(tmp) / "f", "forge_adamw", max_grad_norm=0.05))
+        _, lb, gb = _train(ref, _args(Path(tmp) / "r", "adamw_torch", max_grad_norm=0.05))
+    pairs = zip(model.parameters(), ref.parameters(), strict=True)
+    err = max(((p - q).abs().max() / q.abs().max()).item() for p, q in pairs)
+    print(f"kernel calls {calls}; losses {la} vs {lb}; grad norms {ga} vs {gb}; max relative weight error {err:.2e}")
+    ok = all(calls.values()) and err < 1e-5 and max(abs(a - b) / b for a, b in zip(la, lb, strict=True)) < 1e-5
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
