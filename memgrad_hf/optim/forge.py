@@ -356,9 +356,12 @@ class ForgeOptimizer(Optimizer):
 
     def _embedding_weight_backward(self, weight: Tensor, ids: Tensor, dy: Tensor, padding_idx: int | None) -> None:
         """Called from the fused embedding's backward: the dense gradient is built and applied per row block."""
+        # With the device kernels (GPU), boolean selection would wait for the host once per block: mask instead
+        # (every token's row is added to every block, zeroed where it belongs elsewhere; cheap next to the update).
+        select = backend(dy.device) != "triton"
         if padding_idx is not None:  # nn.Embedding's padding row gets no gradient
             keep = ids != padding_idx
-            ids, dy = ids[keep], dy[keep]
+            ids, dy = (ids[keep], dy[keep]) if select else (ids, torch.where(keep[:, None], dy, 0))
         dy = dy.to(weight.dtype)
         rows = K.row_tiles(weight.shape[0], weight.shape[1], self._tile_bytes(weight))
         blk = self._begin_blocks(weight)
@@ -366,7 +369,10 @@ class ForgeOptimizer(Optimizer):
             r1 = min(r0 + rows, weight.shape[0])
             sel = (ids >= r0) & (ids < r1)
             g = torch.zeros(r1 - r0, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            g.index_add_(0, ids[sel] - r0, dy[sel])
+            if select:
+                g.index_add_(0, ids[sel] - r0, dy[sel])
+            else:
+                g.index_add_(0, (ids - r0).clamp_(0, r1 - r0 - 1), torch.where(sel[:, None], dy, 0))
             self._apply_block(weight, blk, r0, r1, g)
 
     def _head_weight_consumer(self, weight: Tensor) -> Any:
