@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learning_rate", type=float, default=5e-3)
     p.add_argument("--optim", default="forge_adamw", help="any Trainer optimizer name (forge_adamw, adamw_torch, ...)")
     p.add_argument("--optim_args", default="clip=previous",
-                   help="GRPO computes its loss outside the model, so FORGE clips with the previous step's exact norm")
+                   help="FORGE options; the default clips with the previous step's exact norm (no second backward "
+                        "pass); pass '' for exact clipping with a norm-only pass first")
     p.add_argument("--no_patch", action="store_true", help="do not apply memgrad_hf.patch_model")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--output_dir", default="/tmp/memgrad_grpo")
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         output_dir=a.output_dir, per_device_train_batch_size=a.batch, num_generations=a.num_generations,
         max_completion_length=a.max_completion_length, max_steps=a.max_steps, learning_rate=a.learning_rate,
         logging_steps=1, report_to="none", save_strategy="no", bf16=a.bf16, use_cpu=not torch.cuda.is_available(),
-        gradient_checkpointing=False, optim=a.optim, optim_args=a.optim_args if a.optim.startswith("forge") else None,
+        gradient_checkpointing=False, optim=a.optim,
+        optim_args=(a.optim_args or None) if a.optim.startswith("forge") else None,
         use_vllm=False, disable_tqdm=True,
     )
     cb = MemoryReportCallback()

@@ -70,7 +70,10 @@ class ForgeOptimizer(Optimizer):
         state_dtype: torch.dtype | str = torch.float32,
         forge_model: nn.Module | None = None,
     ) -> None:
-        model = model if model is not None else forge_model  # the Trainer passes it as forge_model
+        # The Trainer passes the model as forge_model; its losses reach backward through accelerate's
+        # Accelerator.backward, where exact clipping hooks in (any loss: the model's, GRPO's, a compute_loss_func's)
+        self._trainer_managed = model is None and forge_model is not None
+        model = model if model is not None else forge_model
         if clip not in _CLIP_MODES:
             raise ValueError(f"clip must be one of {_CLIP_MODES}; got {clip!r}.")
         if max_grad_norm is None or max_grad_norm < 0 or not math.isfinite(max_grad_norm):
@@ -122,7 +125,7 @@ class ForgeOptimizer(Optimizer):
 
         set_head_weight_consumer(model, self._head_weight_consumer)
         self._wrapped_forward = False
-        if self.max_grad_norm > 0 and self.clip == "exact":
+        if self.needs_norm_pass and not self._trainer_managed:
             self._wrap_model_forward()
         self._norm_pass_seen = False
 
@@ -164,6 +167,19 @@ class ForgeOptimizer(Optimizer):
         if self.state_dtype == K.Q_DTYPE and not (p.dim() == 2 and p.numel() >= _MIN_8BIT_NUMEL):
             return torch.float32
         return self.state_dtype
+
+    @property
+    def needs_norm_pass(self) -> bool:
+        """Exact clipping is on: every backward must start with the norm-only pass."""
+        return self.max_grad_norm > 0 and self.clip == "exact"
+
+    def clip_root(self, loss: Tensor) -> Tensor:
+        """``loss`` (a scalar) wrapped so that its backward first runs the norm-only pass (exact clipping), then
+        the update pass; unchanged when clipping is off or ``loss`` has no graph. What ``Accelerator.backward`` (the
+        Trainer) applies to every loss after ``import memgrad_hf``."""
+        if not (self.needs_norm_pass and isinstance(loss, Tensor) and loss.requires_grad and loss.dim() == 0):
+            return loss
+        return _ClipRoot.apply(loss, self, [loss])
 
     def _wrap_model_forward(self) -> None:
         model, opt = self.model, self

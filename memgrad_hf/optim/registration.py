@@ -99,6 +99,31 @@ def register() -> None:
         member = _add_member(OptimizerNames, name, value)
         trainer_optimizer._OPTIMIZER_HANDLERS[member] = _handler
     _register_callback()
+    _hook_accelerator_backward()
+
+
+def _hook_accelerator_backward() -> None:
+    """``Accelerator.backward(loss)`` wraps ``loss`` for a prepared FORGE optimizer with exact clipping, so the norm
+    pass runs before the update pass whatever computed the loss (the model, TRL's GRPO loss, a custom
+    ``compute_loss``). A no-op for every other optimizer."""
+    from accelerate import Accelerator
+
+    original = Accelerator.backward
+    if getattr(original, "_memgrad_forge", False):
+        return
+
+    def backward(self: Any, loss: Any, **kwargs: Any) -> Any:
+        from memgrad_hf.optim.forge import ForgeOptimizer
+
+        for o in getattr(self, "_optimizers", ()):
+            inner = getattr(o, "optimizer", o)
+            if isinstance(inner, ForgeOptimizer) and inner._trainer_managed:
+                loss = inner.clip_root(loss)
+        return original(self, loss, **kwargs)
+
+    backward._memgrad_forge = True  # type: ignore[attr-defined]
+    backward.__doc__ = original.__doc__
+    Accelerator.backward = backward
 
 
 def _register_callback() -> None:

@@ -85,6 +85,17 @@ def test_grpo_with_forge_adamw_equals_adamw_torch(tmp_path):
     assert ours[1] == pytest.approx(ref[1], rel=1e-4)  # FORGE logs the real norm it measured in backward
 
 
+def test_grpo_with_forge_adamw_and_exact_clipping_equals_adamw_torch(tmp_path):
+    # GRPO computes its loss outside the model: exact clipping's norm pass hooks in at Accelerator.backward
+    import memgrad_hf  # noqa: F401  (registers forge_adamw)
+
+    ref = _run(tmp_path / "a", "dapo", patched=True, optim="adamw_torch", max_grad_norm=0.01)
+    ours = _run(tmp_path / "f", "dapo", patched=True, optim="forge_adamw", max_grad_norm=0.01)
+    assert max(ref[1]) > 0.01  # clipping was active
+    assert ours[0] == pytest.approx(ref[0], rel=1e-5, abs=1e-7)
+    assert ours[1] == pytest.approx(ref[1], rel=1e-4)
+
+
 def test_patch_trl_swaps_and_restores():
     import trl.trainer.grpo_trainer as g
 
