@@ -1,10 +1,11 @@
-"""GRPOTrainer end to end on CPU: with memgrad's fused head (patch_trl) loss and grad norm equal stock TRL's."""
+"""TRL trainers end to end on CPU (GRPO, RLOO, KTO): with memgrad's fused head (patch_trl) loss and grad norm
+equal stock TRL's."""
 
 import pytest
 import torch
 from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from memgrad_hf.grpo import patch_trl, unpatch_trl
 from memgrad_hf.offline import build_char_tokenizer
@@ -14,21 +15,30 @@ def _reward(completions, **_):
     return [c.count("a") - 0.01 * len(c) for c in completions]
 
 
-def _run(tmp_path, loss_type, patched, via_patch_model=False, beta=0.0, peft=False, **extra_args):
+def _model_and_tokenizer(tmp_path, from_path: bool):
     tok = build_char_tokenizer("abc def ghi jkl mno pqr stu vwx yz 0123456789 +-=?")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=len(tok), max_position_embeddings=128, pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
-    data = Dataset.from_dict({"prompt": ["abc", "1+2=", "def", "9-3="] * 3})
-    if beta > 0:  # TRL rebuilds the reference model from the model's path: give it one
+    if from_path:  # TRL rebuilds a reference model from the model's path: give it one
         model.save_pretrained(tmp_path / "init")
         tok.save_pretrained(tmp_path / "init")
         model = LlamaForCausalLM.from_pretrained(tmp_path / "init")
-    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+    return model, tok
+
+
+def _run(tmp_path, loss_type, patched, via_patch_model=False, beta=0.0, peft=False, trainer_cls=GRPOTrainer,
+         **extra_args):
+    model, tok = _model_and_tokenizer(tmp_path, from_path=beta > 0)
+    data = Dataset.from_dict({"prompt": ["abc", "1+2=", "def", "9-3="] * 3})
+    if trainer_cls is GRPOTrainer:
+        extra_args["loss_type"] = loss_type
+    config_cls = GRPOConfig if trainer_cls is GRPOTrainer else RLOOConfig
+    args = config_cls(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, max_steps=3, learning_rate=1e-3, logging_steps=1, report_to="none",
-                      save_strategy="no", bf16=False, gradient_checkpointing=False, seed=0, loss_type=loss_type,
+                      save_strategy="no", bf16=False, gradient_checkpointing=False, seed=0,
                       num_iterations=2, use_vllm=False, disable_tqdm=True, beta=beta, **extra_args)
     peft_config = None
     if peft:
@@ -47,7 +57,7 @@ def _run(tmp_path, loss_type, patched, via_patch_model=False, beta=0.0, peft=Fal
     elif patched:
         patch_trl()
     try:
-        trainer = GRPOTrainer(model=model, args=args, reward_funcs=_reward, train_dataset=data,
+        trainer = trainer_cls(model=model, args=args, reward_funcs=_reward, train_dataset=data,
                               processing_class=tok, peft_config=peft_config)
         trainer.train()
     finally:
@@ -73,6 +83,52 @@ def test_grpo_variants_equal_stock_trl(tmp_path, case):
     stock = _run(tmp_path / "s", "dapo", patched=False, **{k: v for k, v in case.items() if k != "via_patch_model"})
     ours = _run(tmp_path / "m", "dapo", patched=True, **case)
     assert ours[0] == pytest.approx(stock[0], rel=1e-5, abs=1e-7)
+    assert ours[1] == pytest.approx(stock[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.05], ids=["no_reference", "reference_model"])
+def test_rloo_trainer_equals_stock_trl(tmp_path, beta):
+    # TRL's RLOOTrainer uses the same fused head: memgrad's must serve it just as exactly
+    stock = _run(tmp_path / "s", None, patched=False, beta=beta, trainer_cls=RLOOTrainer)
+    ours = _run(tmp_path / "m", None, patched=True, beta=beta, trainer_cls=RLOOTrainer)
+    assert len(stock[0]) == 3 and max(stock[1]) > 0
+    assert ours[0] == pytest.approx(stock[0], rel=1e-5, abs=1e-7)
+    assert ours[1] == pytest.approx(stock[1], rel=1e-5)
+
+
+def _kto_run(tmp_path, patched):
+    from trl import KTOConfig, KTOTrainer
+
+    import memgrad_hf.grpo.fused_head as fh
+
+    model, tok = _model_and_tokenizer(tmp_path, from_path=True)
+    data = Dataset.from_dict({"prompt": ["abc", "1+2=", "def", "9-3="] * 4,
+                              "completion": [" aaa", " 3", " bb", " 6"] * 4, "label": [True, True, False, True] * 4})
+    args = KTOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, max_steps=3,
+                     learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", bf16=False, seed=0,
+                     disable_tqdm=True)
+    calls = []
+    real = fh.linear_logprobs
+    fh.linear_logprobs = lambda *a, **k: calls.append(1) or real(*a, **k)
+    if patched:
+        patch_trl()
+    try:
+        trainer = KTOTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+        trainer.train()
+    finally:
+        unpatch_trl()
+        fh.linear_logprobs = real
+    assert bool(calls) == patched
+    hist = [h for h in trainer.state.log_history if "loss" in h]
+    return [h["loss"] for h in hist], [h["grad_norm"] for h in hist]
+
+
+def test_kto_trainer_equals_stock_trl(tmp_path):
+    # KTO scores policy and reference (and the KL batch) through the fused head too
+    stock = _kto_run(tmp_path / "s", patched=False)
+    ours = _kto_run(tmp_path / "m", patched=True)
+    assert len(stock[0]) == 3
+    assert ours[0] == pytest.approx(stock[0], rel=1e-5)
     assert ours[1] == pytest.approx(stock[1], rel=1e-5)
 
 
