@@ -37,14 +37,14 @@ def _round_bf16(x):
 
 @triton.jit
 def _hash_bits(key, idx, BITS: tl.constexpr):
-    """The top ``BITS`` of lowbias32(key + idx) on uint32: :func:`memgrad_hf.kernels.forge.hash_bits`."""
+    """The low ``BITS`` of lowbias32(key + idx) on uint32: :func:`memgrad_hf.kernels.forge.hash_bits`."""
     x = idx + key
     x ^= x >> 16
     x *= 0x7FEB352D
     x ^= x >> 15
     x *= 0x846CA68B
     x ^= x >> 16
-    return x >> (32 - BITS)
+    return x & ((1 << BITS) - 1)
 
 
 @triton.jit
