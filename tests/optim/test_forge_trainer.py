@@ -224,3 +224,13 @@ def test_forge_trains_titans_injected_model_like_adamw_torch(tmp_path):
     assert la == pytest.approx(lb, rel=1e-5)
     assert ga == pytest.approx(gb, rel=1e-4)
     _assert_weights_close(model, ref)
+
+
+@pytest.mark.slow  # ~30 s of compilation on a 2-core CPU
+def test_forge_with_trainer_torch_compile_equals_adamw_torch(tmp_path):
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    _, la, _ = _train(model, _args(tmp_path / "f", "forge_adamw", torch_compile=True))
+    _, lb, _ = _train(ref, _args(tmp_path / "r", "adamw_torch", torch_compile=True))
+    assert la == pytest.approx(lb, rel=1e-5)
+    _assert_weights_close(model, ref)
