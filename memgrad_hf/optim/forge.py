@@ -414,7 +414,10 @@ class ForgeOptimizer(Optimizer):
         return K.linear_weight_step
 
     def _on_grad(self, p: Tensor) -> None:
-        if p.grad is None or not self._is_sync():  # fused weights reach here with no gradient: nothing to do
+        # Fused weights (linear, embedding, chunked head) are updated by their own backward; autograd still calls
+        # this hook for them, and during the norm pass their .grad holds the micro-batches accumulated so far,
+        # which must be neither counted twice nor dropped.
+        if p.grad is None or not self._is_sync() or p in self._fused:
             return
         if self._mode == "norm":
             g = p.grad if p not in self._stash else p.grad + self._stash[p]
