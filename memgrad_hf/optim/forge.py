@@ -106,7 +106,8 @@ class ForgeOptimizer(Optimizer):
         self._norm_sq: Tensor | None = None
         self._coef = 1.0
         self._prev_norm: float | None = None
-        self._stash: dict[Tensor, Tensor] = {}
+        self._stash: dict[Tensor, Tensor] = {}  # accumulated gradients, set aside during the norm pass
+        self._stash_counted: set[Tensor] = set()
         self._nonfinite_seen = False
         self._bad_tiles: Tensor | int = 0  # skipped fused tiles, summed on the device (read once, in step())
         self._norm_sq_now: Tensor | float = 0.0
@@ -227,7 +228,11 @@ class ForgeOptimizer(Optimizer):
         """Backward through the graph once computing only gradient norms; sets the clip coefficient."""
         self._mode = "norm"
         self._norm_sq = torch.zeros((), dtype=torch.float64, device=loss.device)  # summed on the device: no syncs
-        self._stash = {p: p.grad for p in self._group_index if p.grad is not None and p not in self._fused}
+        # Gradients accumulated over earlier micro-batches step aside: a .grad that appears during the pass is
+        # this backward's own (autograd's, for hooked tensors and for fused weights used outside their module).
+        # Each stashed sum is counted once, by whichever path meets it first (_accumulated).
+        self._stash = {p: p.grad for p in self._group_index if p.grad is not None}
+        self._stash_counted: set[Tensor] = set()
         for p in self._stash:
             p.grad = None
         try:
@@ -236,7 +241,7 @@ class ForgeOptimizer(Optimizer):
         finally:
             for p, g in self._stash.items():
                 p.grad = g
-            self._stash = {}
+            self._stash, self._stash_counted = {}, set()
         norm = float(self._norm_sq.sqrt())
         self.last_grad_norm = norm
         self._norm_pass_seen = True
@@ -308,12 +313,12 @@ class ForgeOptimizer(Optimizer):
             g = (dy.t() @ x).to(weight.dtype)
             weight.grad = g if weight.grad is None else weight.grad + g
             return
-        acc = weight.grad
         if self._mode == "norm":
+            acc = self._accumulated(weight)
             for _, _, tile in K.linear_weight_tiles(dy, x, rows, acc, weight.dtype):
                 self._norm_sq += K.norm_sq(tile)
             return
-        weight.grad = None
+        acc, weight.grad = weight.grad, None
         if self._mode == "skip":
             return
         hp, st = self._hp(weight), self._state(weight)
@@ -342,9 +347,9 @@ class ForgeOptimizer(Optimizer):
         """Start a weight's blockwise step; None when this backward does not apply updates (accumulating)."""
         if not self._is_sync():
             return None
-        blk: dict[str, Any] = {"acc": weight.grad}  # gradient accumulated over earlier micro-batches, if any
         if self._mode == "norm":
-            return blk
+            return {"acc": self._accumulated(weight)}
+        blk: dict[str, Any] = {"acc": weight.grad}  # gradient accumulated over earlier micro-batches, if any
         weight.grad = None
         if self._mode == "apply":
             st = self._state(weight)
@@ -413,15 +418,20 @@ class ForgeOptimizer(Optimizer):
             return forge_triton.linear_weight_step
         return K.linear_weight_step
 
+    def _accumulated(self, p: Tensor) -> Tensor | None:
+        """In the norm pass: the gradient ``p`` accumulated over earlier micro-batches, the first time it is asked
+        for (then None: it is counted once)."""
+        if p in self._stash_counted:
+            return None
+        self._stash_counted.add(p)
+        return self._stash.get(p)
+
     def _on_grad(self, p: Tensor) -> None:
-        # Fused weights (linear, embedding, chunked head) are updated by their own backward; autograd still calls
-        # this hook for them, and during the norm pass their .grad holds the micro-batches accumulated so far,
-        # which must be neither counted twice nor dropped.
-        if p.grad is None or not self._is_sync() or p in self._fused:
+        if p.grad is None or not self._is_sync():  # fused weights reach here with no gradient: nothing to do
             return
         if self._mode == "norm":
-            g = p.grad if p not in self._stash else p.grad + self._stash[p]
-            self._norm_sq += K.norm_sq(g)
+            acc = self._accumulated(p)
+            self._norm_sq += K.norm_sq(p.grad if acc is None else p.grad + acc)
             p.grad = None
             return
         g, p.grad = p.grad, None
