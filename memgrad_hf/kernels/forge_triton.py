@@ -118,7 +118,8 @@ def _store_state(ptr, scale_ptr, offs, srow, mask, x, rmask, key, idx, KIND: tl.
         tl.store(ptr + offs, x, mask=mask)
 
 
-@triton.jit
+# noise keys and offsets are data: a value of 1 must not become a compile-time constant (no .to() on those)
+@triton.jit(do_not_specialize=["key_w", "key_v", "idx_off"])
 def _forge_linear_kernel(
     dy_ptr, x_ptr, w_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, acc_ptr, norm_ptr, bad_ptr,
     N, OUT, IN, S_COLS,
