@@ -118,12 +118,15 @@ def test_forge_lion_equals_reference_lion(tmp_path):
     _assert_weights_close(model, ref, rtol=1e-5)
 
 
-def test_checkpoint_resume_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("extra", [{}, dict(gradient_accumulation_steps=2, max_grad_norm=0.05,
+                                             optim_args="state_dtype=bf16,stochastic_rounding=true")],
+                         ids=["fp32", "accumulation_clipping_bf16_state"])
+def test_checkpoint_resume_is_bit_identical(tmp_path, extra):
     torch.manual_seed(0)
     full = tiny_model("llama")
     part = copy.deepcopy(full)
-    _train(full, _args(tmp_path / "full", "forge_adamw", max_steps=4))
-    args = _args(tmp_path / "part", "forge_adamw", max_steps=4, save_strategy="steps", save_steps=2)
+    _train(full, _args(tmp_path / "full", "forge_adamw", max_steps=4, **extra))
+    args = _args(tmp_path / "part", "forge_adamw", max_steps=4, save_strategy="steps", save_steps=2, **extra)
     t = Trainer(model=part, args=args, train_dataset=_data())
     t.train()
     resumed_model = tiny_model("llama", seed=123)  # different init: everything must come from the checkpoint
