@@ -281,7 +281,7 @@ class ForgeOptimizer(Optimizer):
                 coef: float, seed: int, offset: int) -> None:
         """Apply the rule to ``target`` (``p`` or a row block of it at element ``offset``) from the gradient ``g``;
         its norm is logged, a non-finite ``g`` is skipped and counted (on a GPU, per tile, without a host sync)."""
-        impl = self._update_impl(p)
+        impl = self._update_impl(target, g)
         with torch.no_grad():
             g_sq, bad = impl(self.rule, target, g, st, hp, step, coef=coef, seed=seed, offset=offset,
                              stochastic_rounding=self.stochastic_rounding, exact_norm=self._exact_norm,
@@ -290,9 +290,11 @@ class ForgeOptimizer(Optimizer):
             self._norm_sq_now = self._norm_sq_now + g_sq.double()
         self._bad_tiles = self._bad_tiles + bad
 
-    def _update_impl(self, p: Tensor):
-        """One Triton kernel per update on CUDA (no host sync, no temporaries), else the torch twin."""
-        if backend(p.device) == "triton" and p.is_contiguous() and self.rule in ("adamw", "lion"):
+    def _update_impl(self, target: Tensor, g: Tensor):
+        """One Triton kernel per update on CUDA (no host sync, no temporaries), else the torch twin (which also
+        takes non-contiguous tensors)."""
+        if (backend(target.device) == "triton" and target.is_contiguous() and g.is_contiguous()
+                and self.rule in ("adamw", "lion")):
             from memgrad_hf.kernels import forge_triton
 
             return forge_triton.update_step
