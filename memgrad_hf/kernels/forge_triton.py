@@ -1,6 +1,8 @@
-"""Triton twin of :func:`memgrad_hf.kernels.forge.linear_weight_step`: each program computes one ``dW`` tile in
-registers (``Σ_k dYᵀ·X`` over all tokens, fp32 accumulation) and applies AdamW or Lion to that tile of the weight and
-its state in the epilogue. ``dW`` is never written to memory. The caller computes ``dX`` first (old weights).
+"""Triton twins of :func:`memgrad_hf.kernels.forge.linear_weight_step` and :func:`memgrad_hf.kernels.forge.update_step`:
+each program computes one ``dW`` tile in registers (``Σ_k dYᵀ·X`` over all tokens, fp32 accumulation) — or loads a
+given gradient tile — and applies AdamW or Lion to that tile of the weight and its state (fp32, bf16 or block-scaled
+8-bit; stochastic rounding with the twin's hashed noise) in the epilogue. ``dW`` is never written to memory. The
+caller computes ``dX`` first (old weights).
 
 fp32 activations take IEEE fp32 dots (what torch's fp32 GEMM computes, TF32 off); bf16/fp16 activations go to the
 tensor cores as they are, with fp32 accumulation: the exact products of the rounded operands, as cuBLAS computes the
