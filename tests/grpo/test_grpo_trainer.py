@@ -163,3 +163,39 @@ def test_patch_trl_swaps_and_restores():
     assert g.add_fused_lm_head is not before
     unpatch_trl()
     assert g.add_fused_lm_head is before
+
+
+def test_sft_trainer_through_memgrad_head_has_the_exact_gradient(tmp_path):
+    # TRL's SFTTrainer trains through the fused head (log-probs, entropy, top-1). With patch_model it is memgrad's:
+    # the gradient of the first training step equals full logits + cross-entropy on the same model and batch.
+    import torch.nn.functional as F
+    from trl import SFTConfig, SFTTrainer
+
+    import memgrad_hf
+
+    model, tok = _model_and_tokenizer(tmp_path, from_path=False)
+    memgrad_hf.patch_model(model)
+    data = Dataset.from_dict({"text": ["abc def ghi 123", "jkl mno 456 pqr", "stu vwx 789", "yz abc 0+1=1"] * 4})
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, max_steps=1,
+                     report_to="none", seed=0, max_length=32, gradient_checkpointing=False, max_grad_norm=0.0,
+                     disable_tqdm=True, logging_steps=1)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+    seen = {}
+    step = trainer.training_step
+
+    def training_step(model_, inputs, num_items=None):
+        batch = {k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)}
+        out = step(model_, inputs, num_items)
+        ours = {n: p.grad.clone() for n, p in model_.named_parameters()}
+        model_.zero_grad()
+        logits = model_(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], skip_logits=False).logits
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100,
+                        reduction="sum").div(num_items).backward()
+        seen["err"] = max(((ours[n] - p.grad).abs().max() / p.grad.abs().max()).item()
+                          for n, p in model_.named_parameters())
+        return out
+
+    trainer.training_step = training_step
+    trainer.train()
+    assert seen["err"] < 1e-5, seen
+    assert "mean_token_accuracy" in trainer.state.log_history[0]  # the metrics came through the fused head too
