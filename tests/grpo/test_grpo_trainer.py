@@ -1,4 +1,4 @@
-"""TRL trainers end to end on CPU (GRPO, RLOO, KTO): with memgrad's fused head (patch_trl) loss and grad norm
+"""TRL trainers end to end on CPU (GRPO, RLOO, KTO, DPO, SFT): with memgrad's fused head (patch_trl) loss and grad norm
 equal stock TRL's."""
 
 import pytest
@@ -96,24 +96,32 @@ def test_rloo_trainer_equals_stock_trl(tmp_path, beta):
     assert ours[1] == pytest.approx(stock[1], rel=1e-5)
 
 
-def _kto_run(tmp_path, patched):
-    from trl import KTOConfig, KTOTrainer
+def _preference_run(tmp_path, patched, kind):
+    """KTOTrainer (unpaired: completion + label) or DPOTrainer (chosen / rejected), 3 steps."""
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
     import memgrad_hf.grpo.fused_head as fh
 
     model, tok = _model_and_tokenizer(tmp_path, from_path=True)
-    data = Dataset.from_dict({"prompt": ["abc", "1+2=", "def", "9-3="] * 4,
-                              "completion": [" aaa", " 3", " bb", " 6"] * 4, "label": [True, True, False, True] * 4})
-    args = KTOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, max_steps=3,
-                     learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", bf16=False, seed=0,
-                     disable_tqdm=True)
+    prompts = ["abc", "1+2=", "def", "9-3="] * 4
+    if kind == "kto":
+        data = Dataset.from_dict({"prompt": prompts, "completion": [" aaa", " 3", " bb", " 6"] * 4,
+                                  "label": [True, True, False, True] * 4})
+        config_cls, trainer_cls = KTOConfig, KTOTrainer
+    else:
+        data = Dataset.from_dict({"prompt": prompts, "chosen": [" aaa", " 3", " bb", " 6"] * 4,
+                                  "rejected": [" zz", " 4", " yy", " 7"] * 4})
+        config_cls, trainer_cls = DPOConfig, DPOTrainer
+    args = config_cls(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, max_steps=3,
+                      learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", bf16=False, seed=0,
+                      disable_tqdm=True)
     calls = []
     real = fh.linear_logprobs
     fh.linear_logprobs = lambda *a, **k: calls.append(1) or real(*a, **k)
     if patched:
         patch_trl()
     try:
-        trainer = KTOTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+        trainer = trainer_cls(model=model, args=args, train_dataset=data, processing_class=tok)
         trainer.train()
     finally:
         unpatch_trl()
@@ -123,10 +131,11 @@ def _kto_run(tmp_path, patched):
     return [h["loss"] for h in hist], [h["grad_norm"] for h in hist]
 
 
-def test_kto_trainer_equals_stock_trl(tmp_path):
-    # KTO scores policy and reference (and the KL batch) through the fused head too
-    stock = _kto_run(tmp_path / "s", patched=False)
-    ours = _kto_run(tmp_path / "m", patched=True)
+@pytest.mark.parametrize("kind", ["kto", "dpo"])
+def test_preference_trainers_equal_stock_trl(tmp_path, kind):
+    # KTO (policy, reference and KL passes) and DPO (policy and reference) score through the fused head too
+    stock = _preference_run(tmp_path / "s", False, kind)
+    ours = _preference_run(tmp_path / "m", True, kind)
     assert len(stock[0]) == 3
     assert ours[0] == pytest.approx(stock[0], rel=1e-5)
     assert ours[1] == pytest.approx(stock[1], rel=1e-5)
