@@ -67,7 +67,7 @@ class ForgeOptimizer(Optimizer):
         clip: str = "exact",
         tile_bytes: int | None = None,
         stochastic_rounding: bool = False,
-        state_dtype: torch.dtype | str = torch.float32,
+        state_dtype: torch.dtype | str | None = None,
         forge_model: nn.Module | None = None,
     ) -> None:
         # The Trainer passes the model as forge_model; its losses reach backward through accelerate's
@@ -164,6 +164,8 @@ class ForgeOptimizer(Optimizer):
         return st
 
     def _state_dtype_for(self, p: Tensor) -> torch.dtype:
+        if self.state_dtype is None:  # auto: like torch.optim, state in the weight's precision (bf16 for bf16/fp16)
+            return torch.bfloat16 if p.dtype in (torch.bfloat16, torch.float16) else torch.float32
         # 8-bit only pays off for matrices; small tensors (norms, biases) keep fp32 state
         if self.state_dtype == K.Q_DTYPE and not (p.dim() == 2 and p.numel() >= _MIN_8BIT_NUMEL):
             return torch.float32
@@ -511,6 +513,11 @@ class ForgeAdamW(ForgeOptimizer):
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         max_grad_norm: global-norm clipping threshold (0 = off).
         clip: ``"exact"`` (a norm-only backward pass first) or ``"previous"`` (the previous step's norm).
+        state_dtype: ``None``/``"auto"`` (default: like ``torch.optim``, state in the weight's precision: fp32 for
+            fp32 weights, bf16 for bf16/fp16 ones, second moment rounded stochastically), ``"fp32"``, ``"bf16"`` or
+            ``"8bit"`` (block-scaled e4m3 codes for matrices).
+        stochastic_rounding: round bf16 weights stochastically after each update.
+        tile_bytes: bytes of one weight-gradient tile (default: 4 MiB on CPU, 64 MiB on a GPU).
 
     Example::
 
@@ -548,28 +555,31 @@ class ForgeLion(ForgeOptimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), model=model, **kwargs)
 
 
-def _parse_dtype(d: torch.dtype | str) -> torch.dtype:
+def _parse_dtype(d: torch.dtype | str | None) -> torch.dtype | None:
     table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
              "8bit": K.Q_DTYPE}
+    if d is None or (isinstance(d, str) and d.lower() == "auto"):
+        return None
     if isinstance(d, str):
         if d.lower() not in table:
-            raise ValueError(f"state_dtype must be one of {sorted(table)}; got {d!r}.")
+            raise ValueError(f"state_dtype must be one of {sorted(table) + ['auto']}; got {d!r}.")
         return table[d.lower()]
     if d not in (torch.float32, torch.bfloat16, K.Q_DTYPE):
         raise ValueError(f"state_dtype must be torch.float32, torch.bfloat16 or '8bit'; got {d}.")
     return d
 
 
-def _note_low_precision_weights(groups: list[dict[str, Any]], state_dtype: torch.dtype) -> None:
-    """bf16/fp16 weights with fp32 state hold twice the state ``adamw_torch`` holds for them (torch keeps state in
-    the weights' dtype): say so once, with the option that matches it, since users pick FORGE to save memory."""
+def _note_low_precision_weights(groups: list[dict[str, Any]], state_dtype: torch.dtype | None) -> None:
+    """bf16/fp16 weights with (explicitly asked for) fp32 state hold twice the state ``adamw_torch`` holds for them
+    (torch keeps state in the weights' dtype, as FORGE's default does): say so once, since users pick FORGE to save
+    memory."""
     params = [p for g in groups for p in g["params"]]
     low = sum(p.numel() for p in params if p.dtype in (torch.bfloat16, torch.float16))
     if state_dtype == torch.float32 and low * 2 > sum(p.numel() for p in params):
         log.warning(
             "forge: the model's weights are bf16/fp16 and the optimizer state fp32 (more accurate, but twice the state "
-            "torch.optim keeps for such weights); pass optim_args='state_dtype=bf16' (or state_dtype=torch.bfloat16) "
-            "for torch's state size, or 'state_dtype=8bit' for a quarter of it."
+            "torch.optim keeps for such weights); the default (state_dtype=auto) keeps bf16 state for them, as torch "
+            "does, and optim_args='state_dtype=8bit' a quarter of it."
         )
 
 

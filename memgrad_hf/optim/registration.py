@@ -64,7 +64,7 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
         else:
             raise ValueError(
                 f"optim_args key {key!r} is not understood by {name}; supported: clip=exact|previous, "
-                "stochastic_rounding=true|false, state_dtype=fp32|bf16|8bit, tile_bytes=N."
+                "stochastic_rounding=true|false, state_dtype=auto|fp32|bf16|8bit, tile_bytes=N."
             )
     if kwargs["max_grad_norm"] > 0:
         log.warning(

@@ -70,16 +70,20 @@ def test_bf16_state_survives_a_state_dict_round_trip():
             assert torch.equal(opt2.state[p][k], opt.state[p][k])
 
 
-def test_bf16_weights_with_fp32_state_say_what_it_costs(caplog):
+def test_state_dtype_follows_the_weights_by_default_and_fp32_state_for_bf16_says_what_it_costs(caplog):
     import logging
 
     model = tiny_model("llama").to(torch.bfloat16)
-    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
-        ForgeAdamW(model.parameters(), model=model).detach()
-    assert "state_dtype=bf16" in caplog.text
-    caplog.clear()
     fp32_model = tiny_model("llama")
     with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        auto = ForgeAdamW(model.parameters(), model=model)  # like torch.optim: bf16 state for bf16 weights
+        assert {auto._state_dtype_for(p) for p in model.parameters()} == {torch.bfloat16}
+        auto.detach()
+        auto32 = ForgeAdamW(fp32_model.parameters(), model=fp32_model, state_dtype="auto")
+        assert {auto32._state_dtype_for(p) for p in fp32_model.parameters()} == {torch.float32}
+        auto32.detach()
         ForgeAdamW(model.parameters(), model=model, state_dtype="bf16").detach()
-        ForgeAdamW(fp32_model.parameters(), model=fp32_model).detach()  # fp32 weights: nothing to say
     assert "state_dtype" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        ForgeAdamW(model.parameters(), model=model, state_dtype="fp32").detach()  # twice torch's state: said
+    assert "twice the state" in caplog.text
