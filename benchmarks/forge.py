@@ -31,6 +31,7 @@ CONFIGS = {
     # with memgrad_hf.patch_model: the chunked head hands its weight gradient to FORGE in vocabulary blocks
     "adamw_torch+head": dict(optim="adamw_torch", patch=True),
     "forge_adamw+head": dict(optim="forge_adamw", patch=True),
+    "forge_adamw+head_hold": dict(optim="forge_adamw", optim_args="head_grad=hold", patch=True),
     "forge_adamw+bf16_state+head": dict(optim="forge_adamw", optim_args="state_dtype=bf16", patch=True),
     "forge_lion+head": dict(optim="forge_lion", patch=True),
     "forge_adamw+8bit_state+head": dict(optim="forge_adamw", optim_args="state_dtype=8bit", patch=True),

@@ -58,8 +58,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Scalar ``Σ w_i CE_i``; gradients are computed during forward and scaled by ``grad_output`` in backward."""
 
     @staticmethod
-    def forward(ctx: Any, hidden, weight, bias, targets, token_weight, ep, eps, zl, chunk, accum_dtype):
+    def forward(ctx: Any, hidden, weight, bias, targets, token_weight, ep, eps, zl, chunk, accum_dtype,
+                weight_consumer=None):
         need = ctx.needs_input_grad
+        ctx.weight_consumer = weight_consumer
         loss, dx, dw, db = head_impl(hidden.device).fused_cross_entropy(
             hidden, weight, bias, targets, ep, token_weight,
             label_smoothing=eps, z_loss=zl, chunk_size=chunk,
@@ -81,13 +83,26 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         retain = getattr(_RETAIN, "on", False)
         if not retain:
             ctx.grads = None  # drop our references so autograd can adopt the buffers without copying
+        if ctx.weight_consumer is not None and dw is not None:
+            _hand_over(ctx.weight_consumer, dw, grad, retain)  # (the consumer only serves heads without bias)
+            dw = None
         out = []
         for g, dtype in zip((dx, dw, db), ctx.dtypes, strict=True):
             if g is not None:
                 g = g * grad.to(g.dtype) if retain else g.mul_(grad.to(g.dtype))
                 g = g if g.dtype == dtype else g.to(dtype)
             out.append(g)
-        return (*out, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None)
+
+
+def _hand_over(consumer: Any, dw: Tensor, grad: Tensor, retain: bool) -> None:
+    """Give a weight gradient held since forward to ``consumer`` in blocks of vocabulary rows (~4 MiB each),
+    scaled by the loss's incoming gradient; the blocks are scaled in place unless the buffer must survive."""
+    rows = max(1, (4 << 20) // max(4 * dw.shape[1], 1))
+    for v0 in range(0, dw.shape[0], rows):
+        v1 = min(v0 + rows, dw.shape[0])
+        block = dw[v0:v1] * grad.to(dw.dtype) if retain else dw[v0:v1].mul_(grad.to(dw.dtype))
+        consumer(v0, v1, block, None)
 
 
 class _ChunkedHeadStats(torch.autograd.Function):
@@ -267,9 +282,11 @@ def linear_cross_entropy(
             (None): ``True`` when the weight-gradient accumulator has the weight's dtype (fp32 models) or with the
             Triton backend (``MEMGRAD_BACKEND=triton``), else ``False`` (bf16/fp16 models: 4·V·H + 2·V·H bytes less
             at the peak for a third more head flops).
-        weight_grad_consumer: ``f(v0, v1, dW_block, db_block)``; if given (implies ``grad_in_forward=False``), the
-            weight (and bias) gradient is handed over one block of vocabulary rows at a time during backward
-            instead of being returned to autograd — the full weight gradient never exists (FORGE's fused head).
+        weight_grad_consumer: ``f(v0, v1, dW_block, db_block)``; if given, the weight (and bias) gradient is handed
+            over one block of vocabulary rows at a time during backward instead of being returned to autograd
+            (FORGE's fused head). By default the logits are then recomputed in backward and the full weight
+            gradient never exists; with ``grad_in_forward=True`` (explicitly) the gradient computed in forward is
+            held until backward and handed over from there (fewer flops, one ``[V x H]`` buffer meanwhile).
 
     Returns:
         A scalar (or ``[...]`` for ``reduction="none"``), fp32.
@@ -310,9 +327,10 @@ def linear_cross_entropy(
         denom = 1
     if n_valid == 0:
         return (hv.sum() * 0.0 + weight.sum() * 0.0).float() / denom
+    hold = weight_grad_consumer is not None and grad_in_forward is True  # only when asked for explicitly
     if grad_in_forward is None:  # the Triton backend's fused kernel is its fast path
         grad_in_forward = acc == weight.dtype or getattr(head_impl(hv.device), "PREFERS_FUSED", False)
-    if not grad_in_forward or weight_grad_consumer is not None:
+    if not grad_in_forward or (weight_grad_consumer is not None and not hold):
         lse, zt, _, zmean, _, _ = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunk, False,
                                                           label_smoothing > 0, acc, weight_grad_consumer)
         total = _ce_from_stats(lse, zt, zmean, label_smoothing, z_loss).sum()
@@ -323,7 +341,7 @@ def linear_cross_entropy(
         w = torch.full((n_valid,), 1.0 / float(denom), dtype=torch.float32, device=hv.device)
     args = (hv, weight, bias, tv, w, ep, float(label_smoothing), float(z_loss), chunk, acc)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hv, weight, bias)):
-        return _FusedLinearCrossEntropy.apply(*args)
+        return _FusedLinearCrossEntropy.apply(*args, weight_grad_consumer if hold else None)
     # No gradient wanted: skip the 2/3 of the work the fused forward would spend on gradients
     # (autograd.Function reports needs_input_grad=True even under no_grad).
     return head_impl(hv.device).fused_cross_entropy(

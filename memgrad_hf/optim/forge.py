@@ -33,6 +33,10 @@ from memgrad_hf.patches import forge as P
 log = logging.getLogger("memgrad_hf.forge")
 
 _CLIP_MODES = ("exact", "previous")
+# How a chunked LM head (patch_model) produces the weight gradient FORGE consumes in vocabulary blocks:
+# "recompute" the logits in backward (no [V x H] buffer; a third more head flops), or "hold" the gradient computed in
+# forward until the head's backward (the head's usual flops; one fp32 [V x H] buffer from forward to backward)
+_HEAD_GRAD_MODES = ("recompute", "hold")
 _MIN_8BIT_NUMEL = 4096  # smaller tensors keep fp32 state under state_dtype="8bit"
 
 
@@ -69,6 +73,7 @@ class ForgeOptimizer(Optimizer):
         stochastic_rounding: bool = False,
         state_dtype: torch.dtype | str | None = None,
         forge_model: nn.Module | None = None,
+        head_grad: str = "recompute",
     ) -> None:
         # The Trainer passes the model as forge_model; its losses reach backward through accelerate's
         # Accelerator.backward, where exact clipping hooks in (any loss: the model's, GRPO's, a compute_loss_func's)
@@ -94,6 +99,9 @@ class ForgeOptimizer(Optimizer):
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
         self.clip = clip
+        if head_grad not in _HEAD_GRAD_MODES:
+            raise ValueError(f"head_grad must be one of {_HEAD_GRAD_MODES}; got {head_grad!r}.")
+        self.head_grad = head_grad
         if tile_bytes is not None and int(tile_bytes) < 1:
             raise ValueError(f"tile_bytes must be a positive number of bytes (or None: automatic); got {tile_bytes}.")
         self.tile_bytes = None if tile_bytes is None else int(tile_bytes)
@@ -411,6 +419,7 @@ class ForgeOptimizer(Optimizer):
                 state["blk"] = self._begin_blocks(weight)
             self._apply_block(weight, state["blk"], v0, v1, dw)
 
+        consume.hold = self.head_grad == "hold"  # type: ignore[attr-defined]  (read by the head patch)
         return consume
 
     def _weight_step_impl(self, weight: Tensor):
@@ -518,6 +527,10 @@ class ForgeAdamW(ForgeOptimizer):
             ``"8bit"`` (block-scaled e4m3 codes for matrices).
         stochastic_rounding: round bf16 weights stochastically after each update.
         tile_bytes: bytes of one weight-gradient tile (default: 4 MiB on CPU, 64 MiB on a GPU).
+        head_grad: with ``patch_model``'s chunked head: ``"recompute"`` (default: its logits are recomputed in
+            backward, so its weight gradient never exists whole; a third more head flops) or ``"hold"`` (the gradient
+            computed in forward is held until the head's backward: the head's usual flops, one fp32 ``[V x H]``
+            buffer meanwhile).
 
     Example::
 

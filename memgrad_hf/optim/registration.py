@@ -61,10 +61,13 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             kwargs["stochastic_rounding"] = _parse_bool(value)
         elif key == "state_dtype":
             kwargs["state_dtype"] = value
+        elif key == "head_grad":
+            kwargs["head_grad"] = value
         else:
             raise ValueError(
                 f"optim_args key {key!r} is not understood by {name}; supported: clip=exact|previous, "
-                "stochastic_rounding=true|false, state_dtype=auto|fp32|bf16|8bit, tile_bytes=N."
+                "stochastic_rounding=true|false, state_dtype=auto|fp32|bf16|8bit, tile_bytes=N, "
+                "head_grad=recompute|hold."
             )
     if kwargs["max_grad_norm"] > 0:
         log.warning(

@@ -219,10 +219,11 @@ def _chunked_causal_lm_loss(
     ep = chain.epilogue()
     softcap = ep.out if ep.tanh else None
     scale = ep.inp * ep.out if ep.tanh else ep.inp
+    consumer = _consumer(patch, head, weight, bias)
     return linear_cross_entropy(
         h, weight, shift_labels, bias=bias, ignore_index=ignore_index, softcap=softcap, logit_scale=scale,
         num_items_in_batch=num_items_in_batch, chunk_size=patch.chunk_size, accum_dtype=patch.accum_dtype,
-        weight_grad_consumer=_consumer(patch, head, weight, bias),
+        weight_grad_consumer=consumer, grad_in_forward=True if getattr(consumer, "hold", False) else None,
     )
 
 

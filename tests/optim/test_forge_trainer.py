@@ -49,11 +49,13 @@ def test_forge_adamw_equals_adamw_torch(tmp_path, tied):
     assert all(p.grad is None for p in model.parameters())  # nothing left behind
 
 
-def test_forge_with_patched_head_and_exact_clipping(tmp_path):
+@pytest.mark.parametrize("head_grad", ["recompute", "hold"])
+def test_forge_with_patched_head_and_exact_clipping(tmp_path, head_grad):
     model = tiny_model("llama")
     ref = copy.deepcopy(model)
     memgrad_hf.patch_model(model)
-    _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw", max_grad_norm=0.05))
+    _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw", max_grad_norm=0.05,
+                                    optim_args=f"head_grad={head_grad}"))
     _, lb, gb = _train(ref, _args(tmp_path / "r", "adamw_torch", max_grad_norm=0.05))
     assert max(gb) > 0.05  # clipping was active
     assert la == pytest.approx(lb, rel=1e-5)
@@ -61,8 +63,8 @@ def test_forge_with_patched_head_and_exact_clipping(tmp_path):
     _assert_weights_close(model, ref)
 
 
-@pytest.mark.parametrize("max_grad_norm,head", [(0.0, False), (0.05, False), (0.05, True)],
-                         ids=["no_clip", "exact_clip", "exact_clip_chunked_head"])
+@pytest.mark.parametrize("max_grad_norm,head", [(0.0, False), (0.05, False), (0.05, "recompute"), (0.05, "hold")],
+                         ids=["no_clip", "exact_clip", "exact_clip_chunked_head", "exact_clip_chunked_head_hold"])
 def test_forge_gradient_accumulation_equals_adamw_torch(tmp_path, max_grad_norm, head):
     # with clipping, the norm pass runs on the last micro-batch over the accumulated gradients (fused weights hold
     # theirs in .grad meanwhile: counted once, kept for the update pass)
@@ -71,7 +73,8 @@ def test_forge_gradient_accumulation_equals_adamw_torch(tmp_path, max_grad_norm,
     if head:
         memgrad_hf.patch_model(model)
     kw = dict(gradient_accumulation_steps=2, max_steps=3, max_grad_norm=max_grad_norm)
-    _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw", **kw))
+    _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw", optim_args=f"head_grad={head}" if head else None,
+                                    **kw))
     _, lb, gb = _train(ref, _args(tmp_path / "r", "adamw_torch", **kw))
     assert la == pytest.approx(lb, rel=1e-5)
     if max_grad_norm:
