@@ -129,7 +129,7 @@ def _forge_linear_kernel(
     lr, beta1, beta2, eps, wd, bc1, bc2_sqrt, key_w, key_v, coef, idx_off,
     FROM_GRAD: tl.constexpr, HAS_ACC: tl.constexpr, IS_LION: tl.constexpr, LOWP: tl.constexpr,
     IS_BF16: tl.constexpr, W_BF16: tl.constexpr,
-    M_KIND: tl.constexpr, V_KIND: tl.constexpr, W_SR: tl.constexpr,
+    M_KIND: tl.constexpr, V_KIND: tl.constexpr, W_SR: tl.constexpr, G_LOWP: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
@@ -167,6 +167,10 @@ def _forge_linear_kernel(
     finite = tl.sum(tl.sum(nonfinite.to(tl.int32), axis=1), axis=0) == 0
     if finite:
         g = g * coef  # the clip coefficient (after the norm, which is logged unclipped)
+        if G_LOWP == 1:  # a bf16 gradient scaled as torch scales it: in fp32, rounded back to bf16
+            g = _round_bf16(g)
+        elif G_LOWP == 2:
+            g = g.to(tl.float16).to(tl.float32)
         # element index in the parameter (row-major), for the rounding noise: the twin hashes the same index
         idx = (rows[:, None] * IN + cols[None, :]).to(tl.uint32, bitcast=True) + idx_off.to(tl.uint32, bitcast=True)
         soffs = rows[:, None] * IN + cols[None, :]  # state tensors are contiguous
@@ -258,7 +262,7 @@ def linear_weight_step(
         float(lr), float(b1), float(b2), float(eps), float(wd), float(1 - b1**step), float((1 - b2**step) ** 0.5),
         K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[names[-1]])), 1.0, 0,
         FROM_GRAD=False, HAS_ACC=acc is not None, IS_LION=rule == "lion", LOWP=lowp, IS_BF16=dy.dtype == torch.bfloat16,
-        W_BF16=w.dtype == torch.bfloat16, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding),
+        W_BF16=w.dtype == torch.bfloat16, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding), G_LOWP=0,
         BM=bm, BN=bn, BK=bk,
         # the interpreter's dot misreads bf16 operands; upcast there (exact products, the same fp32 sums)
         TENSOR_CORES=lowp and os.environ.get("TRITON_INTERPRET") != "1",
@@ -314,6 +318,7 @@ def update_step(
         K._as_int32(offset),
         FROM_GRAD=True, HAS_ACC=True, IS_LION=rule == "lion", LOWP=False, IS_BF16=False,
         W_BF16=p.dtype == torch.bfloat16, M_KIND=_kind(m), V_KIND=_kind(v), W_SR=bool(stochastic_rounding),
+        G_LOWP={torch.bfloat16: 1, torch.float16: 2}.get(g.dtype, 0) if coef != 1.0 else 0,
         BM=bm, BN=bn, BK=16, TENSOR_CORES=False, num_warps=4, num_stages=1,
     )
     return norm, bad
