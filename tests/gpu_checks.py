@@ -114,7 +114,8 @@ def check_forge_trainer() -> None:
 
 
 def check_forge_low_precision_trainer() -> None:
-    """bf16 model, FORGE's default (bf16 state) and 8-bit state, 4 Trainer steps with clipping: the Triton kernels
+    """bf16 model, FORGE's default (bf16 state; AdamW and Lion) and 8-bit state (with gradient accumulation), 4
+    Trainer steps with clipping: the Triton kernels
     against the torch path on the same device (the rounding noise is the same hash in both). The weight gradients
     come from different GEMMs (tensor-core tiles vs cuBLAS), so a few bf16 roundings may fall the other way: the
     weights must agree within a few bf16 spacings and the losses within 1e-3."""
@@ -128,7 +129,9 @@ def check_forge_low_precision_trainer() -> None:
         print("  (skipped on CPU without TRITON_INTERPRET=1)")
         return
     base = tiny_model("llama").to(DEV, torch.bfloat16)
-    for optim_args in ("state_dtype=auto", "state_dtype=8bit,stochastic_rounding=true"):
+    for optim, optim_args, accumulation in (("forge_adamw", "state_dtype=auto", 1),
+                                            ("forge_adamw", "state_dtype=8bit,stochastic_rounding=true", 2),
+                                            ("forge_lion", "state_dtype=auto", 1)):
         runs = {}
         for impl in ("triton", "torch"):
             os.environ["MEMGRAD_BACKEND"] = impl
@@ -136,9 +139,9 @@ def check_forge_low_precision_trainer() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 args = TrainingArguments(output_dir=tmp, max_steps=4, per_device_train_batch_size=2,
                                          learning_rate=5e-3, logging_steps=1, save_strategy="no", report_to="none",
-                                         seed=0, data_seed=0, optim="forge_adamw", optim_args=optim_args,
+                                         seed=0, data_seed=0, optim=optim, optim_args=optim_args,
                                          max_grad_norm=1.0, dataloader_num_workers=0, disable_tqdm=True,
-                                         use_cpu=DEV == "cpu")
+                                         use_cpu=DEV == "cpu", gradient_accumulation_steps=accumulation)
                 t = Trainer(model=m, args=args, train_dataset=_data())
                 t.train()
             runs[impl] = (m, [h["loss"] for h in t.state.log_history if "loss" in h])
@@ -149,9 +152,9 @@ def check_forge_low_precision_trainer() -> None:
         far = sum(((p.float() - q.float()).abs() > torch.finfo(torch.bfloat16).eps * q.float().abs()).sum().item()
                   for p, q in zip(mt.parameters(), mr.parameters(), strict=True))
         total = sum(p.numel() for p in mr.parameters())
-        report(f"forge_adamw {optim_args}, bf16 model: Triton vs torch path, fraction of weights > 1 bf16 spacing "
-               "apart", far / total, 0.01)
-        report(f"forge_adamw {optim_args}, bf16 model: Triton vs torch path, losses",
+        what = f"{optim} {optim_args}, accumulation {accumulation}, bf16 model: Triton vs torch path"
+        report(f"{what}, fraction of weights > 1 bf16 spacing apart", far / total, 0.01)
+        report(f"{what}, losses",
                max(abs(a - b) / abs(b) for a, b in zip(lt, lr_, strict=True)), 1e-3)
 
 

@@ -129,7 +129,7 @@ def _forge_linear_kernel(
     lr, beta1, beta2, eps, wd, bc1, bc2_sqrt, key_w, key_v, coef, idx_off,
     FROM_GRAD: tl.constexpr, HAS_ACC: tl.constexpr, IS_LION: tl.constexpr, LOWP: tl.constexpr,
     IS_BF16: tl.constexpr, W_BF16: tl.constexpr,
-    M_KIND: tl.constexpr, V_KIND: tl.constexpr, W_SR: tl.constexpr, G_LOWP: tl.constexpr,
+    M_KIND: tl.constexpr, V_KIND: tl.constexpr, W_SR: tl.constexpr, G_LOWP: tl.constexpr, ACC_LOWP: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
@@ -162,6 +162,11 @@ def _forge_linear_kernel(
     offs = rows[:, None] * s_wo + cols[None, :] * s_wi
     if HAS_ACC:
         g += tl.load(acc_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        # accumulated in the gradient's dtype, as autograd sums a bf16/fp16 .grad (and the twin)
+        if ACC_LOWP == 1:
+            g = _round_bf16(g)
+        elif ACC_LOWP == 2:
+            g = g.to(tl.float16).to(tl.float32)
     tl.atomic_add(norm_ptr, tl.sum(tl.sum(g * g, axis=1), axis=0))
     nonfinite = mask & ((g != g) | (tl.abs(g) == float("inf")))
     finite = tl.sum(tl.sum(nonfinite.to(tl.int32), axis=1), axis=0) == 0
@@ -263,6 +268,7 @@ def linear_weight_step(
         K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[names[-1]])), 1.0, 0,
         FROM_GRAD=False, HAS_ACC=acc is not None, IS_LION=rule == "lion", LOWP=lowp, IS_BF16=dy.dtype == torch.bfloat16,
         W_BF16=w.dtype == torch.bfloat16, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding), G_LOWP=0,
+        ACC_LOWP=0 if acc is None else {torch.bfloat16: 1, torch.float16: 2}.get(acc.dtype, 0),
         BM=bm, BN=bn, BK=bk,
         # the interpreter's dot misreads bf16 operands; upcast there (exact products, the same fp32 sums)
         TENSOR_CORES=lowp and os.environ.get("TRITON_INTERPRET") != "1",
@@ -318,7 +324,7 @@ def update_step(
         K._as_int32(offset),
         FROM_GRAD=True, HAS_ACC=True, IS_LION=rule == "lion", LOWP=False, IS_BF16=False,
         W_BF16=p.dtype == torch.bfloat16, M_KIND=_kind(m), V_KIND=_kind(v), W_SR=bool(stochastic_rounding),
-        G_LOWP={torch.bfloat16: 1, torch.float16: 2}.get(g.dtype, 0) if coef != 1.0 else 0,
+        G_LOWP={torch.bfloat16: 1, torch.float16: 2}.get(g.dtype, 0) if coef != 1.0 else 0, ACC_LOWP=0,
         BM=bm, BN=bn, BK=16, TENSOR_CORES=False, num_warps=4, num_stages=1,
     )
     return norm, bad
