@@ -217,15 +217,21 @@ def test_forge_with_gradient_checkpointing_and_exact_clipping(tmp_path, reentran
     _assert_weights_close(model, ref)
 
 
+def _forge_vs_adamw(tmp_path, model, **kw):
+    """Train ``model`` with forge_adamw and a copy with adamw_torch (same arguments); weights must end close.
+    Returns the logged losses and grad norms, ``(forge, torch)``."""
+    ref = copy.deepcopy(model)
+    _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw", **kw))
+    _, lb, gb = _train(ref, _args(tmp_path / "r", "adamw_torch", **kw))
+    _assert_weights_close(model, ref)
+    return (la, ga), (lb, gb)
+
+
 def test_forge_under_bf16_autocast_equals_adamw_torch(tmp_path):
     # Trainer(bf16=True) on fp32 weights: the fused linears compute in bf16 like autocast's nn.Linear and hand the
     # optimizer the fp32-cast bf16 weight gradient, as autograd does
-    model = tiny_model("llama")
-    ref = copy.deepcopy(model)
-    _, la, _ = _train(model, _args(tmp_path / "f", "forge_adamw", bf16=True))
-    _, lb, _ = _train(ref, _args(tmp_path / "r", "adamw_torch", bf16=True))
+    (la, _), (lb, _) = _forge_vs_adamw(tmp_path, tiny_model("llama"), bf16=True)
     assert la == pytest.approx(lb, rel=1e-5)
-    _assert_weights_close(model, ref)
 
 
 def test_forge_trains_titans_injected_model_like_adamw_torch(tmp_path):
@@ -233,19 +239,12 @@ def test_forge_trains_titans_injected_model_like_adamw_torch(tmp_path):
 
     model = tiny_model("llama")
     memgrad_hf.patch_model(model, titans=TitansConfig(layers=[0]))
-    ref = copy.deepcopy(model)
-    _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw"))
-    _, lb, gb = _train(ref, _args(tmp_path / "r", "adamw_torch"))
+    (la, ga), (lb, gb) = _forge_vs_adamw(tmp_path, model)
     assert la == pytest.approx(lb, rel=1e-5)
     assert ga == pytest.approx(gb, rel=1e-4)
-    _assert_weights_close(model, ref)
 
 
 @pytest.mark.slow  # ~30 s of compilation on a 2-core CPU
 def test_forge_with_trainer_torch_compile_equals_adamw_torch(tmp_path):
-    model = tiny_model("llama")
-    ref = copy.deepcopy(model)
-    _, la, _ = _train(model, _args(tmp_path / "f", "forge_adamw", torch_compile=True))
-    _, lb, _ = _train(ref, _args(tmp_path / "r", "adamw_torch", torch_compile=True))
+    (la, _), (lb, _) = _forge_vs_adamw(tmp_path, tiny_model("llama"), torch_compile=True)
     assert la == pytest.approx(lb, rel=1e-5)
-    _assert_weights_close(model, ref)
