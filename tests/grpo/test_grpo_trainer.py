@@ -187,7 +187,7 @@ def test_sft_trainer_through_memgrad_head_has_the_exact_gradient(tmp_path):
     data = Dataset.from_dict({"text": ["abc def ghi 123", "jkl mno 456 pqr", "stu vwx 789", "yz abc 0+1=1"] * 4})
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, max_steps=1,
                      report_to="none", seed=0, max_length=32, gradient_checkpointing=False, max_grad_norm=0.0,
-                     disable_tqdm=True, logging_steps=1)
+                     disable_tqdm=True, logging_steps=1, bf16=False)  # SFTConfig defaults to bf16 autocast, even on CPU
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
     seen = {}
     step = trainer.training_step
