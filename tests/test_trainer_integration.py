@@ -22,11 +22,12 @@ def _data(n=12, t=10):
     return rows
 
 
-def _train(model, tmp_path, ga, callbacks=()):
+def _train(model, tmp_path, ga, callbacks=(), **extra):
     args = TrainingArguments(
         output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=ga,
         learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
-        data_seed=0, dataloader_num_workers=0, optim="adamw_torch", lr_scheduler_type="linear", warmup_steps=1,
+        data_seed=0, dataloader_num_workers=0, **{"optim": "adamw_torch", "lr_scheduler_type": "linear",
+                                                  "warmup_steps": 1, **extra},
     )
     trainer = Trainer(model=model, args=args, train_dataset=_data(), callbacks=list(callbacks))
     trainer.train()
@@ -47,6 +48,26 @@ def test_trainer_losses_and_weights_equal_stock(tmp_path, ga):
     assert len(la) == 3
     assert la == pytest.approx(lb, rel=1e-5)
     assert gn_a == pytest.approx(gn_b, rel=1e-5)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), n
+
+
+@pytest.mark.parametrize("ga,optim", [(1, "adamw_torch"), (2, "adamw_torch"), (2, "forge_adamw")])
+def test_trainer_label_smoothing_runs_through_the_chunked_head(tmp_path, ga, optim):
+    # label_smoothing_factor > 0: stock Trainer pops the labels and smooths full logits (LabelSmoother); a patched
+    # model computes the same loss in its chunked head, and no training forward returns logits.
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    memgrad_hf.patch_model(model, chunk_size=4)
+    seen = []
+    model.register_forward_hook(lambda m, args, out: seen.append(out.logits is None) if m.training else None)
+    a = _train(model, tmp_path / "a", ga, label_smoothing_factor=0.1, optim=optim, max_grad_norm=1.0)
+    b = _train(ref, tmp_path / "b", ga, label_smoothing_factor=0.1, optim="adamw_torch", max_grad_norm=1.0)
+    assert seen and all(seen), seen
+    for key in ("loss", "grad_norm"):
+        got = [h[key] for h in a.state.log_history if key in h and "train_runtime" not in h]
+        want = [h[key] for h in b.state.log_history if key in h and "train_runtime" not in h]
+        assert len(got) == 3 and got == pytest.approx(want, rel=1e-5), key
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), n
 

@@ -13,6 +13,9 @@ from torch import nn
 
 from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.patches.head import is_head_patched, patch_head, unpatch_head
+from memgrad_hf.patches.trainer import hook_trainer_compute_loss
+
+hook_trainer_compute_loss()  # Trainer's label smoothing runs through the chunked head of a patched model
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:

@@ -45,6 +45,8 @@ class HeadPatch:
     signature: inspect.Signature = field(repr=False)
     # Set by a FORGE optimizer: weight -> consumer of its gradient in vocabulary blocks (or None)
     weight_consumer_factory: Any = None
+    # Set for one Trainer loss (label_smoothing_factor > 0; see memgrad_hf.patches.trainer): the ε of the loss
+    label_smoothing: float = 0.0
 
 
 # ------------------------------------------------------------------------------------------ head resolution
@@ -222,6 +224,7 @@ def _chunked_causal_lm_loss(
     consumer = _consumer(patch, head, weight, bias)
     return linear_cross_entropy(
         h, weight, shift_labels, bias=bias, ignore_index=ignore_index, softcap=softcap, logit_scale=scale,
+        label_smoothing=patch.label_smoothing,
         num_items_in_batch=num_items_in_batch, chunk_size=patch.chunk_size, accum_dtype=patch.accum_dtype,
         weight_grad_consumer=consumer, grad_in_forward=True if getattr(consumer, "hold", False) else None,
     )
@@ -356,3 +359,17 @@ def set_head_weight_consumer(model: nn.Module, factory: Any) -> bool:
 
 def is_head_patched(model: nn.Module) -> bool:
     return getattr(model, _ATTR, None) is not None
+
+
+@contextmanager
+def head_label_smoothing(model: nn.Module, epsilon: float):
+    """Within the block, the patched ``model``'s chunked loss is cross-entropy with label smoothing ``epsilon``
+    (``F.cross_entropy``'s definition, which is also HF's ``LabelSmoother``'s)."""
+    patch: HeadPatch = getattr(model, _ATTR)
+    if not 0.0 <= epsilon < 1.0:
+        raise ValueError(f"label smoothing must be in [0, 1); got {epsilon}.")
+    previous, patch.label_smoothing = patch.label_smoothing, float(epsilon)
+    try:
+        yield
+    finally:
+        patch.label_smoothing = previous

@@ -1,0 +1,64 @@
+"""The chunked head under HF ``Trainer`` when ``label_smoothing_factor > 0``.
+
+Stock ``Trainer.compute_loss`` then takes the labels out of the batch, asks the model for full logits and applies
+``LabelSmoother`` to them: the ``[tokens x vocab]`` logits (and their log-softmax) exist again. For a
+``patch_model``ed causal LM in training, memgrad keeps the labels in the batch and has the chunked head compute the
+same loss, cross-entropy with label smoothing ε (``LabelSmoother``'s formula is ``F.cross_entropy``'s:
+``(1-ε)·nll + ε·mean_c(-log p_c)``, summed over the valid tokens and divided by ``num_items_in_batch``).
+Everything else (evaluation, ``compute_loss_func``, models that are not patched, subclasses that compute their own
+loss) goes through the stock method unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _patched_causal_lm(trainer: Any, model: nn.Module) -> nn.Module | None:
+    """The head-patched causal LM behind ``model`` when the stock method would smooth shifted labels, else None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from memgrad_hf.patches import _causal_lm
+    from memgrad_hf.patches.head import is_head_patched
+
+    target = _causal_lm(trainer.accelerator.unwrap_model(model))
+    if not is_head_patched(target) or target._get_name() not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        return None
+    return target
+
+
+def hook_trainer_compute_loss() -> None:
+    """Idempotent; called by ``import memgrad_hf``."""
+    from transformers import Trainer
+
+    original = Trainer.compute_loss
+    if getattr(original, "_memgrad_head", False):
+        return
+
+    @functools.wraps(original)
+    def compute_loss(self: Any, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        smoother = self.label_smoother
+        target = None
+        # Same normalization on both paths needs the model to receive num_items_in_batch (model_accepts_loss_kwargs):
+        # otherwise the stock path divides by the whole batch's count, the model's loss by the micro-batch's.
+        if (smoother is not None and self.compute_loss_func is None and "labels" in inputs and model.training
+                and torch.is_grad_enabled() and self.model_accepts_loss_kwargs
+                and getattr(smoother, "ignore_index", -100) == -100):
+            target = _patched_causal_lm(self, model)
+        if target is None:
+            return original(self, model, inputs, *args, **kwargs)
+        from memgrad_hf.patches.head import head_label_smoothing
+
+        self.label_smoother = None  # the stock method then leaves the labels in and returns the model's loss
+        try:
+            with head_label_smoothing(target, smoother.epsilon):
+                return original(self, model, inputs, *args, **kwargs)
+        finally:
+            self.label_smoother = smoother
+
+    compute_loss._memgrad_head = True  # type: ignore[attr-defined]
+    Trainer.compute_loss = compute_loss
