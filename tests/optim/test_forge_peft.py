@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
@@ -37,3 +38,39 @@ def test_forge_on_lora_equals_torch_adamw():
             assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), n
         else:
             assert torch.equal(p, q), n  # the frozen base stays frozen
+
+
+def test_everything_at_once_in_trainer_equals_stock(tmp_path):
+    # PEFT LoRA with a trained lm_head copy (modules_to_save) + patch_model + forge_adamw, with gradient accumulation,
+    # gradient checkpointing, label smoothing, exact clipping, weight decay and a schedule: the same losses, grad
+    # norms and weights as the stock model with adamw_torch.
+    from transformers import Trainer, TrainingArguments
+
+    import memgrad_hf
+    from tests.test_trainer_integration import _data
+
+    runs = []
+    for patched in (True, False):
+        torch.manual_seed(0)
+        model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                               modules_to_save=["lm_head"], lora_dropout=0.0))
+        if patched:
+            memgrad_hf.patch_model(model, chunk_size=4)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / str(patched)), max_steps=3, per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, learning_rate=5e-3, logging_steps=1, save_strategy="no", report_to="none",
+            use_cpu=True, seed=0, data_seed=0, optim="forge_adamw" if patched else "adamw_torch",
+            lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0,
+            gradient_checkpointing=True, label_smoothing_factor=0.1)
+        trainer = Trainer(model=model, args=args, train_dataset=_data(n=24))
+        trainer.train()
+        logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+        runs.append((model, logs))
+    (got, got_logs), (ref, ref_logs) = runs
+    assert len(got_logs) == 3
+    for a, b in zip(got_logs, ref_logs, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+    head = [n for n, _ in got.named_parameters() if "modules_to_save" in n]
+    assert head, "the lm_head copy is trained"
+    for (n, p), q in zip(got.named_parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), n
