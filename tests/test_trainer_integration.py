@@ -72,6 +72,29 @@ def test_trainer_label_smoothing_runs_through_the_chunked_head(tmp_path, ga, opt
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), n
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_loss_only_evaluation_builds_no_logits(tmp_path, smoothing):
+    # Without compute_metrics (or with prediction_loss_only) the Trainer drops the logits, so the patched model
+    # computes the eval loss in chunks; with compute_metrics evaluation returns logits as stock does. eval_loss equals
+    # stock in both cases.
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    memgrad_hf.patch_model(model, chunk_size=4)
+    seen = []
+    model.register_forward_hook(lambda m, args, out: seen.append(out.logits is None) if not m.training else None)
+    for metrics in (None, lambda pred: {"n": float(len(pred.predictions))}):
+        seen.clear()
+        results = []
+        for m in (model, ref):
+            args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=3, report_to="none",
+                                     use_cpu=True, label_smoothing_factor=smoothing)
+            results.append(Trainer(model=m, args=args, eval_dataset=_data(), compute_metrics=metrics).evaluate())
+        assert results[0]["eval_loss"] == pytest.approx(results[1]["eval_loss"], rel=1e-6)
+        assert seen and all(s == (metrics is None) for s in seen), (metrics, seen)
+        if metrics is not None:
+            assert results[0]["eval_n"] == results[1]["eval_n"] > 0
+
+
 def test_memory_report_callback_logs_metrics(tmp_path):
     cb = MemoryReportCallback()
     trainer = _train(tiny_model("llama"), tmp_path, 1, callbacks=[cb])

@@ -1,12 +1,16 @@
-"""The chunked head under HF ``Trainer`` when ``label_smoothing_factor > 0``.
+"""The chunked head under HF ``Trainer``: label smoothing in training, and loss-only evaluation.
 
-Stock ``Trainer.compute_loss`` then takes the labels out of the batch, asks the model for full logits and applies
-``LabelSmoother`` to them: the ``[tokens x vocab]`` logits (and their log-softmax) exist again. For a
-``patch_model``ed causal LM in training, memgrad keeps the labels in the batch and has the chunked head compute the
+``label_smoothing_factor > 0``: stock ``Trainer.compute_loss`` takes the labels out of the batch, asks the model for
+full logits and applies ``LabelSmoother`` to them: the ``[tokens x vocab]`` logits (and their log-softmax) exist
+again. For a ``patch_model``ed causal LM, memgrad keeps the labels in the batch and has the chunked head compute the
 same loss, cross-entropy with label smoothing ε (``LabelSmoother``'s formula is ``F.cross_entropy``'s:
 ``(1-ε)·nll + ε·mean_c(-log p_c)``, summed over the valid tokens and divided by ``num_items_in_batch``).
-Everything else (evaluation, ``compute_loss_func``, models that are not patched, subclasses that compute their own
-loss) goes through the stock method unchanged.
+
+``prediction_loss_only`` evaluation: the logits would be thrown away, so the patched model computes the loss in
+chunks (``skip_logits=True``, as the Trainer already asks Liger's models to) and never builds them.
+
+Everything else (evaluation that returns logits, ``compute_loss_func``, models that are not patched, subclasses that
+compute their own loss) goes through the stock methods unchanged.
 """
 
 from __future__ import annotations
@@ -38,19 +42,25 @@ def hook_trainer_compute_loss() -> None:
     original = Trainer.compute_loss
     if getattr(original, "_memgrad_head", False):
         return
+    original_prediction_step = Trainer.prediction_step
 
     @functools.wraps(original)
     def compute_loss(self: Any, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        smoother = self.label_smoother
+        training = model.training and torch.is_grad_enabled()
+        loss_only = not model.training and getattr(self, "_memgrad_loss_only", False)
         target = None
-        # Same normalization on both paths needs the model to receive num_items_in_batch (model_accepts_loss_kwargs):
-        # otherwise the stock path divides by the whole batch's count, the model's loss by the micro-batch's.
-        if (smoother is not None and self.compute_loss_func is None and "labels" in inputs and model.training
-                and torch.is_grad_enabled() and self.model_accepts_loss_kwargs
-                and getattr(smoother, "ignore_index", -100) == -100):
+        if (training or loss_only) and "labels" in inputs and self.compute_loss_func is None:
             target = _patched_causal_lm(self, model)
         if target is None:
             return original(self, model, inputs, *args, **kwargs)
+        if loss_only:
+            inputs = {**inputs, "skip_logits": True}
+        smoother = self.label_smoother
+        # The same normalization on both paths needs the model to receive num_items_in_batch
+        # (model_accepts_loss_kwargs): otherwise the stock path divides by the whole batch's count, the model's loss
+        # by the micro-batch's.
+        if smoother is None or not self.model_accepts_loss_kwargs or getattr(smoother, "ignore_index", -100) != -100:
+            return original(self, model, inputs, *args, **kwargs)  # with a smoother: labels popped, full logits
         from memgrad_hf.patches.head import head_label_smoothing
 
         self.label_smoother = None  # the stock method then leaves the labels in and returns the model's loss
@@ -60,5 +70,15 @@ def hook_trainer_compute_loss() -> None:
         finally:
             self.label_smoother = smoother
 
+    @functools.wraps(original_prediction_step)
+    def prediction_step(self: Any, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        *args: Any, **kwargs: Any) -> Any:
+        self._memgrad_loss_only = bool(prediction_loss_only)
+        try:
+            return original_prediction_step(self, model, inputs, prediction_loss_only, *args, **kwargs)
+        finally:
+            self._memgrad_loss_only = False
+
     compute_loss._memgrad_head = True  # type: ignore[attr-defined]
     Trainer.compute_loss = compute_loss
+    Trainer.prediction_step = prediction_step
