@@ -1,8 +1,10 @@
 """Which transformers causal-LM families the chunked head patches exactly (``memgrad-hf bench compat``).
 
 For every model type in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny config is derived from the family's default
-config (common size fields shrunk), the model is built twice from one seed, one copy is patched, and the loss and
-every parameter gradient of a training forward with ``-100`` labels are compared (1e-5 relative, fp32).
+config (size fields shrunk, a few layers kept such that every layer kind of a hybrid model is present, per-layer
+fields resized with them; ``FAMILY`` overrides where no generic rule can work), the model is built twice from one
+seed, one copy is patched, and the loss and every parameter gradient of a training forward with ``-100`` labels are
+compared (1e-5 relative, fp32).
 
 Statuses: ``exact``; ``unsupported`` (memgrad raised ``UnsupportedModelError``: the message says why);
 ``MISMATCH`` / ``ERROR`` (a memgrad bug: please report); ``untested`` (the shrunk config could not be built or the
@@ -13,39 +15,208 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import signal
 import sys
 import warnings
 from collections import Counter
+from typing import Any
 
 import torch
 
-SHRINK = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    vocab_size=101, head_dim=8, n_embd=32, n_layer=2, n_head=4, d_model=32, ffn_dim=64, n_inner=64, num_layers=2,
+# Size fields, set wherever a family's config has them (never raised: a family with fewer heads keeps them; a
+# None is set too, e.g. deepseek_v2's num_experts_per_tok, except in KEEP_NONE where None switches a part off).
+SHRINK: dict[str, int] = dict(
+    hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=101, head_dim=8,
+    n_embd=32, embedding_dim=32, n_head=4, d_model=32, ffn_dim=64, n_inner=64, max_position_embeddings=64,
+    n_positions=64,
+    # bart-style encoder-decoder fields (the decoder is the causal LM)
+    decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=64, encoder_ffn_dim=64,
+    # mixture of experts
     moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4,
-    num_experts_per_tok=2, max_position_embeddings=64, n_positions=64, pad_token_id=0, bos_token_id=1,
-    eos_token_id=2, decoder_start_token_id=0,
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, num_experts_per_token=2, n_group=1,
+    num_expert_group=1, topk_group=1,
+    # multi-head latent attention (its head dims: MLA_DIMS)
+    kv_lora_rank=16, q_lora_rank=16,
+    # per-layer inputs (gemma3n / gemma4)
+    vocab_size_per_layer_input=101, hidden_size_per_layer_input=8,
+    # linear-attention (gated delta net / KDA) heads
+    linear_num_heads=4, linear_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    # rotary dims of gptj / codegen style configs (at most the head dim)
+    rotary_dim=4,
+    # mamba / state-space blocks: heads x head dim == expand x hidden_size
+    mamba_n_heads=8, mamba_d_head=8, mamba_d_ssm=64, mamba_d_state=8, mamba_chunk_size=8, mamba_dt_rank=8, num_heads=8,
+    state_size=8, n_groups=1, mamba_n_groups=1, time_step_rank=8, chunk_size=8,
 )
+# MLA head dims are all divided by one factor (qk_rope_head_dim -> MLA_ROPE_DIM), so that relations such as
+# head_dim == qk_nope_head_dim + qk_rope_head_dim (dots3_note's sliding layers) stay true.
+MLA_ROPE_DIM = 8
+MLA_DIMS = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim", "head_dim", "index_head_dim")
+KEEP_NONE = {"q_lora_rank"}  # MLA without a low-rank query projection
+TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=0)
+LAYER_COUNTS = (
+    "num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_blocks", "decoder_layers", "encoder_layers",
+)
+MIN_LAYERS, MAX_LAYERS = 2, 4
+# Counts of the first / last layers that differ (dense MLPs before the MoE ones, KV-sharing layers), recounted over
+# the kept layers; the leading ones are a layer kind to keep (a dense and a MoE layer).
+LEADING, TRAILING = ("first_k_dense_replace", "num_dense_layers"), ("num_kv_shared_layers",)
+# Only where no generic rule can work (applied to the text config; "<family>_text" uses the entry of <family>).
+FAMILY: dict[str, dict[str, object]] = {
+    # defaults without any attention layer (the unpatched model then fails in a training forward) or without layer
+    # types at all
+    "bamba": dict(attn_layer_indices=[1]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # layer patterns given as (pattern, repeats) or as a cycle
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
+    # defaults the model itself cannot be built or trained from: no rope parameters for its layer type; attention
+    # reading attn_config.rope_theta and clamping to clip_qkv; indexed attention enabled without an indexer
+    "cohere_compass": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+    "dbrx": dict(attn_config=dict(kv_n_heads=1, rope_theta=10_000.0, clip_qkv=8.0),
+                 ffn_config=dict(hidden_size=32, ffn_hidden_size=64)),
+    "qwen4_exp": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8,
+                      indexer_compress_ratio=4),
+    # trains on sequences of exactly prod(axial_pos_shape) tokens (check() uses 8); its reversible layers reseed
+    # torch from entropy (torch.seed()), so hashing and dropout must not draw random numbers
+    "reformer": dict(is_decoder=True, axial_pos_shape=[2, 4], axial_pos_embds_dim=[16, 16], local_attn_chunk_length=4,
+                     lsh_attn_chunk_length=4, hash_seed=0, hidden_dropout_prob=0.0,
+                     local_attention_probs_dropout_prob=0.0, lsh_attention_probs_dropout_prob=0.0),
+    # its cache rounds the q/k and v widths up to multiples of 64; the cache breaks the training backward
+    "xlstm": dict(hidden_size=128, embedding_dim=128, use_cache=False),
+    "xmod": dict(default_language="en_XX"),  # adapters need a language
+    # the shared block is tied across hybrid layers: needs two of them
+    "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),
+}
 
 
-class _Timeout(Exception):
+class _Timeout(BaseException):  # not caught by check()'s `except Exception`
     pass
 
 
-def _tiny(family: str):
+def _why(e: Exception, n: int) -> str:
+    """One line: the exception (a config validator's cause rather than its wrapper), cut to ``n`` characters."""
+    if e.__cause__ is not None and "Validation" in type(e).__name__:
+        e = e.__cause__  # type: ignore[assignment]
+    return " ".join(f"{type(e).__name__}: {e}".split())[:n]
+
+
+def _is_index_list(name: str, value: object, n_layers: int) -> bool:
+    """A list of layer indices (``moe_layers``, ``hybrid_layer_ids``, ``mlp_only_layers`` ...)."""
+    return (
+        isinstance(value, list) and re.search(r"layer|idx|ids|ind", name) is not None
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+        and value == sorted(set(value)) and all(0 <= i < n_layers for i in value)
+    )
+
+
+def _keep_layers(d: dict[str, Any], n_layers: int) -> list[int]:
+    """Which of the ``n_layers`` original layers a tiny model keeps: greedily, layers showing a kind (a value of a
+    per-layer list such as ``layer_types``, membership in an index list, a ``per_layer_config`` override) not yet
+    kept, so that e.g. a hybrid model keeps one full-attention layer; at least ``MIN_LAYERS``."""
+    kinds: list[set[tuple[str, object]]] = [set() for _ in range(n_layers)]
+    for k, v in d.items():
+        if _is_index_list(k, v, n_layers):
+            for i in range(n_layers):
+                kinds[i].add((k, i in v))
+        elif isinstance(v, list) and len(v) == n_layers:
+            for i, x in enumerate(v):
+                kinds[i].add((k, repr(x)))
+    for key, over in (d.get("per_layer_config") or {}).items():
+        kinds[int(key)].add(("per_layer_config", repr(sorted(over.items()))))
+    for k in LEADING:
+        if isinstance(d.get(k), int):
+            for i in range(n_layers):
+                kinds[i].add((k, i < d[k]))
+    kept: list[int] = []
+    missing = set().union(*kinds)
+    while missing and len(kept) < MAX_LAYERS:
+        best = max(range(n_layers), key=lambda i: (len(kinds[i] & missing), -i))
+        kept.append(best)
+        missing -= kinds[best]
+    kept += [i for i in range(n_layers) if i not in kept][: max(0, MIN_LAYERS - len(kept))]
+    return sorted(kept)
+
+
+def _scaled(name: str, value: object, old: dict[str, Any], new: dict[str, Any]) -> object:
+    """A per-layer size keeps its ratio to the global value (e.g. gemma4's doubled ``head_dim`` on full attention)."""
+    key = name.removesuffix("_per_layer")
+    if not isinstance(value, int) or isinstance(value, bool):
+        return value
+    before, after = old.get(key), new.get(key, old.get(key))
+    if isinstance(before, int) and isinstance(after, int) and before:
+        return max(1, round(value * after / before))
+    return min(value, SHRINK[key]) if key in SHRINK else value
+
+
+def _shrunk(d: dict[str, Any]) -> dict[str, Any]:
+    """The changes that make one config (as ``to_dict()``) tiny: sizes, layer count and every per-layer field."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if k in SHRINK and isinstance(v, int) and not isinstance(v, bool):
+            out[k] = min(v, SHRINK[k])
+        elif k in SHRINK and v is None and k not in KEEP_NONE:
+            out[k] = SHRINK[k]
+        elif k in TOKEN_IDS:
+            out[k] = TOKEN_IDS[k]
+        elif re.fullmatch(r"\w+_layer_period", k) and isinstance(v, int):  # jamba / zamba: attention, experts
+            # every other layer, from layer 1
+            out[k] = 2
+        elif re.fullmatch(r"\w+_layer_offset", k) and isinstance(v, int):
+            out[k] = 1
+    if isinstance(d.get("qk_rope_head_dim"), int):
+        factor = max(1, d["qk_rope_head_dim"] // MLA_ROPE_DIM)
+        out.update({k: max(1, d[k] // factor) for k in MLA_DIMS if isinstance(d.get(k), int)})
+    if d.get("num_key_value_heads") == d.get("num_attention_heads") and "num_attention_heads" in out:
+        out["num_key_value_heads"] = out["num_attention_heads"]  # multi-head attention (e.g. MLA) stays so
+    n_layers = next((d[k] for k in LAYER_COUNTS if isinstance(d.get(k), int)), None)
+    if n_layers is None:
+        return out
+    kept = _keep_layers(d, n_layers)
+    new_index = {old: new for new, old in enumerate(kept)}
+    for k in LAYER_COUNTS:
+        if isinstance(d.get(k), int):
+            out[k] = len(kept)
+    for k, v in d.items():
+        if _is_index_list(k, v, n_layers):
+            out[k] = [new_index[i] for i in v if i in new_index]
+        elif isinstance(v, list) and len(v) == n_layers:
+            out[k] = [_scaled(k, v[i], d, out) for i in kept]
+    for k in LEADING:
+        if isinstance(d.get(k), int):
+            out[k] = sum(i < d[k] for i in kept)
+    for k in TRAILING:
+        if isinstance(d.get(k), int):
+            out[k] = sum(i >= n_layers - d[k] for i in kept)
+    if d.get("per_layer_config"):
+        out["per_layer_config"] = {
+            new_index[int(i)]: {a: _scaled(a, x, d, out) for a, x in over.items()}
+            for i, over in d["per_layer_config"].items() if int(i) in new_index
+        }
+    return out
+
+
+def _tiny(family: str) -> torch.nn.Module:
+    """The family's default config made tiny (its text config, for a multimodal one), as a model in fp32."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base = AutoConfig.for_model(family)
-    cfg = AutoConfig.for_model(family, **{k: v for k, v in SHRINK.items() if hasattr(base, k)})
-    if hasattr(cfg, "get_text_config"):
-        text = cfg.get_text_config()
-        for k, v in SHRINK.items():
-            if hasattr(text, k):
-                try:
-                    setattr(text, k, v)
-                except Exception:
-                    pass
+    text = base.get_text_config(decoder=True)
+    text_changes = {**_shrunk(text.to_dict()), **FAMILY.get(family.removesuffix("_text"), {})}
+    changes = text_changes if text is base else _shrunk(base.to_dict())
+    for name in getattr(base, "sub_configs", {}) if text is not base else ():
+        sub = getattr(base, name, None)
+        if sub is text:
+            changes[name] = {**text.to_dict(), **text_changes}
+        elif hasattr(sub, "to_dict"):  # outputs projected into the text model follow its width (dots3_note)
+            width = text.to_dict().get("hidden_size")
+            new_width = text_changes.get("hidden_size", width)
+            follow = {k: new_width for k, v in sub.to_dict().items() if "out" in k and v == width}
+            if follow:
+                changes[name] = {**sub.to_dict(), **follow}
+    cfg = AutoConfig.for_model(family, **changes)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).float().train()
 
@@ -56,7 +227,7 @@ def check(family: str) -> tuple[str, str]:
     try:
         model = _tiny(family)
     except Exception as e:
-        return "untested", f"tiny config: {type(e).__name__}: {str(e)[:70]}"
+        return "untested", f"tiny config: {_why(e, 90)}"
     ref = copy.deepcopy(model)
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0] if head is not None else 101
@@ -68,7 +239,7 @@ def check(family: str) -> tuple[str, str]:
         r = ref(input_ids=ids, labels=labels)
         r.loss.backward()
     except Exception as e:
-        return "untested", f"unpatched model fails on the tiny config: {type(e).__name__}: {str(e)[:60]}"
+        return "untested", f"unpatched model fails on the tiny config: {_why(e, 80)}"
     try:
         memgrad_hf.patch_model(model, chunk_size=4)
         torch.manual_seed(1)

@@ -10,6 +10,7 @@ _COMMON = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     vocab_size=VOCAB, max_position_embeddings=64, head_dim=8, pad_token_id=0,
 )
+_LINEAR_ATTN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
 # Families whose configs use other field names, or that carry a logit rewrite worth exercising.
 _OVERRIDES: dict[str, dict] = {
     "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB),
@@ -30,6 +31,20 @@ _OVERRIDES: dict[str, dict] = {
                     router_aux_loss_coef=0.02),
     "qwen2_moe": dict(_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=32, output_router_logits=True),
+    # hybrid: one gated-delta-net (linear attention) layer and one full-attention layer
+    "qwen3_5_text": dict(_COMMON, layer_types=["linear_attention", "full_attention"], **_LINEAR_ATTN),
+    "qwen3_next": dict(_COMMON, layer_types=["linear_attention", "full_attention"], **_LINEAR_ATTN, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                       output_router_logits=True),
+    # sliding + full attention, per-layer inputs, full-attention layer with its own (wider) head_dim, softcapping
+    "gemma4_text": dict(_COMMON, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+                        per_layer_config={1: {"head_dim": 16}}, final_logit_softcapping=3.0),
+    # multi-head latent attention; a dense layer then a MoE layer with a shared expert
+    "deepseek_v3": dict(_COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
+                        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                        moe_intermediate_size=32),
 }
 
 # The families the head patch is tested on (issue 2 names the first eleven).
@@ -37,7 +52,7 @@ FAMILIES = [
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2", "opt", "granite", "cohere",
     "gemma", "cohere2", "olmo2", "phi", "starcoder2", "stablelm", "gpt_neox", "mixtral", "qwen2_moe", "hyperclovax",
     "nanochat", "smollm3", "glm", "falcon", "bloom", "gptj", "mpt", "ministral", "exaone4", "helium", "seed_oss",
-    "granitemoe",
+    "granitemoe", "qwen3_5_text", "gemma4_text", "deepseek_v3", "qwen3_next",
 ]
 
 
