@@ -74,8 +74,10 @@ def peak_added_mib(case: Case, device: str = "cpu", threads: int = 2, timeout: f
     return out
 
 
-def time_interleaved(cases: list[Case], device: str = "cpu", repeats: int = 3, warmup: int = 1) -> dict:
-    """Seconds per run for each case, measured round-robin in this process: ``{name: (min, median)}``."""
+def time_interleaved(cases: list[Case], device: str = "cpu", repeats: int = 3, warmup: int = 1,
+                     states_out: dict | None = None) -> dict:
+    """Seconds per run for each case, measured round-robin in this process: ``{name: (min, median)}``.
+    ``states_out``, if given, receives each case's state afterwards (to read results off it)."""
     states = {}
     errors = {}
     for c in cases:
@@ -100,6 +102,8 @@ def time_interleaved(cases: list[Case], device: str = "cpu", repeats: int = 3, w
                 continue
             if i >= warmup:
                 times[c.name].append(dt)
+    if states_out is not None:
+        states_out.update(states)
     out = {n: (min(t), statistics.median(t)) for n, t in times.items() if t and n not in errors}
     out.update({n: e for n, e in errors.items()})
     return out

@@ -39,3 +39,13 @@ def test_bench_titans_runs_through_the_cli(capsys):
     assert rc == 0, out
     rows = [line for line in out.splitlines() if line.startswith(("| 4x8x8x32 / train |", "| train |"))]
     assert len(rows) == 2 + len(layers) and all("—" not in r for r in rows), out
+
+
+def test_bench_evaluate_runs_through_the_cli(capsys):
+    rc = cli.main(["bench", "evaluate", "--vocab", "512", "--hidden", "32", "--layers", "1", "--seq", "16",
+                   "--rows", "4", "--batch", "2", "--repeats", "1", "--label_smoothing", "0.1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in out.splitlines()
+            if line.startswith(("| stock |", "| patched |"))}
+    assert len(rows) == 2 and abs(float(rows["stock"]) - float(rows["patched"])) < 1e-5, out  # same eval_loss
