@@ -15,22 +15,12 @@ from typing import Any
 
 import torch
 
+from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.functional import linear_logprobs
+from memgrad_hf.patches.head import capture_head_input, epilogue_args, resolve_head
+from memgrad_hf.patches.probe import LogitsProbe
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-
-
-def _logit_rewrite(text_config: Any) -> tuple[float | None, float]:
-    """(softcap, scale) from the config attributes TRL's fused head reads, with the same precedence."""
-    softcap = getattr(text_config, "final_logit_softcapping", None)
-    for attr in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        scale = getattr(text_config, attr, None)
-        if scale is not None:
-            return softcap, float(scale)
-    scaling = getattr(text_config, "logits_scaling", None)
-    if scaling is not None:  # granite divides by it, hyperclovax multiplies
-        return softcap, float(scaling) if text_config.model_type == "hyperclovax" else 1.0 / float(scaling)
-    return softcap, 1.0
 
 
 def add_fused_lm_head(
@@ -64,7 +54,6 @@ def add_fused_lm_head(
         raise ValueError(f"temperature must be > 0; got {temperature}.")
     original_forward = model.forward
     text_config = model.config.get_text_config()
-    softcap, scale = _logit_rewrite(text_config)
     want_entropy = "entropy" in outputs
     want_diag = [o for o in ("log_sum_sq_probs", "mean_logits", "is_top1") if o in outputs]
 
@@ -78,23 +67,37 @@ def add_fused_lm_head(
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
-        body = self.base_model(*args, **kwargs)  # looked up per call: PEFT and wrappers replace it
-        hidden = body.last_hidden_state
+        # The model's own forward, with its head answering a probe: the hidden states the head really receives (after
+        # any head transform, inside any wrapper) and every rewrite the forward applies to the logits (softcap,
+        # scales) are observed, not looked up per family; ops the chunked kernels cannot reproduce are refused.
+        with capture_head_input(self) as cap:
+            body = original_forward(*args, **kwargs)
+        probe = body.get("logits") if hasattr(body, "get") else None
+        if cap.head_calls != 1 or not isinstance(probe, LogitsProbe):
+            raise UnsupportedModelError(
+                f"{cap.owner}.forward did not return its LM head's output as logits; memgrad_hf's fused head needs "
+                "the standard causal-LM forward. Use TRL's own fused head for this model."
+            )
+        hidden = cap.hidden
         if shift_labels is None:
             hidden, targets = hidden[:, :-1], labels[:, 1:]
         else:
             targets = shift_labels
         head = self.get_output_embeddings()
-        hidden, targets = hidden.to(head.weight.device), targets.to(head.weight.device)
+        weight_device = next(head.parameters()).device
+        hidden, targets = hidden.to(weight_device), targets.to(weight_device)
         mask = targets != -100
+        hidden, weight, bias = resolve_head(head, hidden, cap.owner)
+        chain = probe._chain
+        if chain.vocab_limit is not None:
+            weight = weight[: chain.vocab_limit]
+            bias = None if bias is None else bias[: chain.vocab_limit]
+        softcap, scale = epilogue_args(chain)
         ctx = nullcontext()
         if cast_lm_head_to_fp32:
-            hidden = hidden.float()
-            ctx = torch.autocast(hidden.device.type, enabled=False)
-        weight, bias = head.weight, head.bias
-        if cast_lm_head_to_fp32:
-            weight = weight.float()
+            hidden, weight = hidden.float(), weight.float()
             bias = None if bias is None else bias.float()
+            ctx = torch.autocast(hidden.device.type, enabled=False)
         diag: dict | None = {} if want_diag else None
         with ctx:
             res = linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,

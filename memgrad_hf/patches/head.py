@@ -139,7 +139,11 @@ def _head_out_features(head: nn.Module) -> int:
 
 
 @contextmanager
-def _capturing(model: nn.Module, patch: HeadPatch):
+def capture_head_input(model: nn.Module, patch: HeadPatch | None = None):
+    """Within the block ``model``'s output embeddings return a :class:`LogitsProbe` (no logits are computed) and
+    record their input: after ``out = model(...)``, ``cap.hidden`` is what the head received and ``out.logits`` a probe
+    whose chain is what the forward did to the logits. With a ``patch``, ``model.loss_function`` is memgrad's
+    chunked loss meanwhile."""
     owner = type(model).__name__
     head = model.get_output_embeddings()
     if head is None:
@@ -170,7 +174,8 @@ def _capturing(model: nn.Module, patch: HeadPatch):
     had_loss = "_loss_function" in model.__dict__
     prev_loss = model.__dict__.get("_loss_function")
     head.forward = head_forward
-    model.loss_function = loss_function
+    if patch is not None:
+        model.loss_function = loss_function
     try:
         yield cap
     finally:
@@ -178,10 +183,16 @@ def _capturing(model: nn.Module, patch: HeadPatch):
             head.forward = prev_fwd
         else:
             del head.forward
-        if had_loss:
+        if patch is not None and had_loss:
             model._loss_function = prev_loss
-        else:
+        elif patch is not None:
             del model._loss_function
+
+
+def epilogue_args(chain: Chain) -> tuple[float | None, float]:
+    """``(softcap, logit_scale)`` for :mod:`memgrad_hf.functional` from the ops a forward applied to its logits."""
+    ep = chain.epilogue()
+    return (ep.out, ep.inp * ep.out) if ep.tanh else (None, ep.inp)
 
 
 def _chunked_causal_lm_loss(
@@ -218,9 +229,7 @@ def _chunked_causal_lm_loss(
     if chain.vocab_limit is not None:
         weight = weight[: chain.vocab_limit]
         bias = None if bias is None else bias[: chain.vocab_limit]
-    ep = chain.epilogue()
-    softcap = ep.out if ep.tanh else None
-    scale = ep.inp * ep.out if ep.tanh else ep.inp
+    softcap, scale = epilogue_args(chain)
     consumer = _consumer(patch, head, weight, bias)
     return linear_cross_entropy(
         h, weight, shift_labels, bias=bias, ignore_index=ignore_index, softcap=softcap, logit_scale=scale,
@@ -263,7 +272,7 @@ def _patched_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     )
     if not chunked:
         return patch.original(*args, **kwargs)
-    with _capturing(self, patch) as cap:
+    with capture_head_input(self, patch) as cap:
         out = patch.original(*args, **kwargs)
     if cap.head_calls == 0:
         raise UnsupportedModelError(

@@ -1,10 +1,10 @@
 """Per-family logit rewrites read from a model's config (transformers 5.x, REFERENCE §1.3).
 
-``patch_model`` does not need this table: it observes what the forward does to the logits (see
-:mod:`memgrad_hf.patches.probe`). The table serves paths that call the backbone directly and never run the
-model's own head code (TRL's ``fused_lm_head=True`` contract), and the test-suite checks it against the
-observed behaviour family by family. Direction matters: granite divides by ``logits_scaling`` while
-hyperclovax multiplies by it.
+memgrad's own paths do not need this table: ``patch_model`` and the fused head for TRL both observe what the model's
+forward does to the logits (see :mod:`memgrad_hf.patches.probe`), so a family missing here is still handled. The
+table is for code that calls the backbone directly and never runs the model's head code (as TRL's own fused head
+does); the test-suite checks it against the observed behaviour family by family. Direction matters: granite
+divides by ``logits_scaling`` while hyperclovax multiplies by it.
 """
 
 from __future__ import annotations
@@ -19,9 +19,14 @@ QUIRKS: dict[str, tuple[tuple[str, str], ...]] = {
     "gemma3_text": (("final_logit_softcapping", "softcap"),),
     "gemma3": (("final_logit_softcapping", "softcap"),),
     "gemma3n_text": (("final_logit_softcapping", "softcap"),),
+    "gemma4": (("final_logit_softcapping", "softcap"),),
+    "gemma4_text": (("final_logit_softcapping", "softcap"),),
+    "recurrent_gemma": (("logits_soft_cap", "softcap"),),
+    "xlstm": (("output_logit_soft_cap", "softcap"),),
     "nanochat": (("final_logit_softcapping", "softcap"),),
     "cohere": (("logit_scale", "multiply"),),
     "cohere2": (("logit_scale", "multiply"),),
+    "cohere2_moe": (("logit_scale", "multiply"),),
     "granite": (("logits_scaling", "divide"),),
     "granitemoe": (("logits_scaling", "divide"),),
     "granitemoeshared": (("logits_scaling", "divide"),),

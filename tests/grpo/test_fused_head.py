@@ -68,3 +68,60 @@ def test_shift_labels_and_plain_forward_passthrough():
 def test_unsupported_outputs_are_refused():
     with pytest.raises(ValueError, match="logits"):
         add_fused_lm_head(tiny_model("llama"), outputs=("log_probs", "logits"))
+
+
+def _objective(log_probs, entropy, mask):
+    g1 = torch.linspace(-1, 1, log_probs.numel()).reshape(log_probs.shape)
+    return (log_probs * g1).sum() - log_probs.sum() / mask.sum() + 0.3 * (entropy * g1.flip(-1)).sum()
+
+
+@pytest.mark.parametrize("family,extra", [
+    ("gemma4_text", {}),  # sliding/full attention, per-layer inputs, final-logit softcapping
+    ("qwen3_next", {}),  # hybrid linear attention + MoE
+    ("bert", {"is_decoder": True}),  # a head transform (dense + act + LayerNorm) between the backbone and lm_head
+    ("granite", {}),  # logits divided by logits_scaling
+])
+def test_equals_the_models_own_logits(family, extra):
+    # The head's input and the rewrites of the logits are observed in the model's own forward (no per-family table):
+    # log-probs, entropies and every gradient equal those computed from the model's full logits.
+    model = tiny_model(family, **extra).train()
+    ref = copy.deepcopy(model)
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    ids = torch.randint(1, VOCAB, (2, 10))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    mask = labels[:, 1:] != -100
+    torch.manual_seed(0)
+    out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    _objective(out.log_probs, out.entropy, mask).backward()
+    torch.manual_seed(0)
+    logp_all = (ref(input_ids=ids).logits[:, :-1].float() / 0.7).log_softmax(-1)
+    log_probs = logp_all.gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0] * mask
+    entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
+    _objective(log_probs, entropy, mask).backward()
+    assert torch.allclose(out.log_probs, log_probs, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(out.entropy, entropy, rtol=1e-5, atol=1e-6)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grads.keys()
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    for n, g in ref_grads.items():
+        assert (grads[n] - g).abs().max().item() <= 1e-5 * g.abs().max().item() + 1e-6 * scale, n
+
+
+def test_logit_ops_the_kernels_cannot_reproduce_are_refused():
+    from transformers import LlamaForCausalLM
+
+    from memgrad_hf import UnsupportedModelError
+
+    class NormalizedLlama(LlamaForCausalLM):  # rewrites its logits in a way no epilogue expresses
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = torch.log_softmax(out.logits, -1)
+            return out
+
+    model = NormalizedLlama(tiny_model("llama").config)
+    add_fused_lm_head(model)
+    ids = torch.randint(1, VOCAB, (1, 6))
+    with pytest.raises(UnsupportedModelError, match="log_softmax"):
+        model(input_ids=ids, labels=ids, fused_lm_head=True)

@@ -46,7 +46,7 @@ def test_family_loss_and_grads_match_unpatched(family, tied):
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-@pytest.mark.parametrize("family", ["gemma2", "granite", "cohere", "hyperclovax", "nanochat", "llama"])
+@pytest.mark.parametrize("family", ["gemma2", "granite", "cohere", "hyperclovax", "nanochat", "llama", "gemma4_text"])
 def test_quirks_table_agrees_with_what_the_forward_does(family):
     """The config table (used by paths that never run the model's head code) matches the traced epilogue."""
     from memgrad_hf.patches import head as H
