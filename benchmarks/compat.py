@@ -28,7 +28,7 @@ import torch
 # None is set too, e.g. deepseek_v2's num_experts_per_tok, except in KEEP_NONE where None switches a part off).
 SHRINK: dict[str, int] = dict(
     hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=101, head_dim=8,
-    n_embd=32, embedding_dim=32, n_head=4, d_model=32, ffn_dim=64, n_inner=64, max_position_embeddings=64,
+    n_embd=32, embedding_dim=32, emb_dim=32, n_head=4, d_model=32, ffn_dim=64, n_inner=64, max_position_embeddings=64,
     n_positions=64,
     # bart-style encoder-decoder fields (the decoder is the causal LM)
     decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=64, encoder_ffn_dim=64,

@@ -13,11 +13,12 @@ def test_bench_head_runs_through_the_cli(capsys):
 
 
 def test_bench_compat_reports_exact_for_known_families(capsys):
-    rc = cli.main(["bench", "compat", "llama", "gemma2", "cpmant"])
+    rc = cli.main(["bench", "compat", "llama", "gemma2", "bart", "prophetnet"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| llama | exact |" in out and "| gemma2 | exact |" in out
-    assert "| cpmant | unsupported |" in out  # applies log_softmax after its head: refused, never silently wrong
+    assert "| bart | exact |" in out  # computes nn.CrossEntropyLoss on its own logits: the chunked loss serves it
+    assert "| prophetnet | unsupported |" in out  # selects from its logits: refused, never silently wrong
 
 
 def test_bench_grpo_runs_through_the_cli(capsys):

@@ -40,6 +40,12 @@ _OVERRIDES: dict[str, dict] = {
     "gemma4_text": dict(_COMMON, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
                         vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
                         per_layer_config={1: {"head_dim": 16}}, final_logit_softcapping=3.0),
+    # decoders that apply nn.CrossEntropyLoss to their own (unshifted) logits instead of self.loss_function
+    "bart": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                 encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, max_position_embeddings=64),
+    "whisper": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
+                    max_target_positions=64, max_source_positions=64, pad_token_id=0),
     # multi-head latent attention; a dense layer then a MoE layer with a shared expert
     "deepseek_v3": dict(_COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
                         qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
@@ -52,7 +58,7 @@ FAMILIES = [
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2", "opt", "granite", "cohere",
     "gemma", "cohere2", "olmo2", "phi", "starcoder2", "stablelm", "gpt_neox", "mixtral", "qwen2_moe", "hyperclovax",
     "nanochat", "smollm3", "glm", "falcon", "bloom", "gptj", "mpt", "ministral", "exaone4", "helium", "seed_oss",
-    "granitemoe", "qwen3_5_text", "gemma4_text", "deepseek_v3", "qwen3_next",
+    "granitemoe", "bart", "whisper", "qwen3_5_text", "gemma4_text", "deepseek_v3", "qwen3_next",
 ]
 
 

@@ -8,7 +8,8 @@ How it works, without a hand-copied forward per model:
    the softcap/scale ops the model applies) and its ``loss_function`` is memgrad's.
 3. The model calls ``self.loss_function(logits=probe, labels=..., num_items_in_batch=..., ...)`` exactly as it
    would call HF's ``ForCausalLMLoss``; memgrad's loss shifts the labels the same way and computes the loss from
-   the captured hidden states with :func:`memgrad_hf.functional.linear_cross_entropy`. Whatever the model adds
+   the captured hidden states with :func:`memgrad_hf.functional.linear_cross_entropy`. (A model that applies
+   ``nn.CrossEntropyLoss`` to its own logits, unshifted, gets the same chunked loss from that call.) Whatever the model adds
    to the loss afterwards (MoE auxiliary losses) is added to a real tensor as usual.
 4. ``outputs.logits`` is ``None`` for such calls. Evaluation (``model.eval()``) and ``generate`` run the
    original forward and return the same logits as the unpatched model.
@@ -159,7 +160,12 @@ def capture_head_input(model: nn.Module, patch: HeadPatch | None = None):
         cap.hidden = x
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        return LogitsProbe((*x.shape[:-1], cap.vocab), dtype, x.device, Chain(), owner)
+        return LogitsProbe((*x.shape[:-1], cap.vocab), dtype, x.device, Chain(), owner,
+                           None if patch is None else cross_entropy)
+
+    def cross_entropy(logits: LogitsProbe, target: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        cap.loss_calls += 1
+        return _chunked_own_cross_entropy(head, cap, patch, logits, target, *args, **kwargs)
 
     original_loss = model.loss_function
 
@@ -236,6 +242,54 @@ def _chunked_causal_lm_loss(
         label_smoothing=patch.label_smoothing,
         num_items_in_batch=num_items_in_batch, chunk_size=patch.chunk_size, accum_dtype=patch.accum_dtype,
         weight_grad_consumer=consumer, grad_in_forward=True if getattr(consumer, "hold", False) else None,
+    )
+
+
+def _chunked_own_cross_entropy(
+    head: nn.Module,
+    cap: _Capture,
+    patch: HeadPatch,
+    logits: LogitsProbe,
+    target: torch.Tensor,
+    weight: Any = None,
+    size_average: Any = None,
+    ignore_index: int = -100,
+    reduce: Any = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """``F.cross_entropy(logits.view(-1, V), target)`` as a model computes it itself (no label shift: the labels
+    are the targets of each position, as in the decoders of bart, whisper, ...), in chunks."""
+    if weight is not None or size_average is not None or reduce is not None:
+        raise UnsupportedModelError(
+            f"{cap.owner} calls cross_entropy with class weights or legacy size_average/reduce arguments; the chunked "
+            "head does not reproduce those. Use patch_model(model, head=False)."
+        )
+    if patch.label_smoothing:
+        raise UnsupportedModelError(
+            f"{cap.owner} computes its own cross-entropy on unshifted labels, while Trainer's label_smoothing_factor "
+            "smooths the logits against shifted labels; memgrad_hf cannot reproduce that combination. Drop label "
+            "smoothing or use patch_model(model, head=False)."
+        )
+    hidden = cap.hidden
+    if logits.shape[:-1].numel() != hidden.shape[:-1].numel() or target.numel() != hidden.shape[:-1].numel():
+        raise UnsupportedModelError(
+            f"{cap.owner} applies cross_entropy to logits of shape {tuple(logits.shape)} with targets of shape "
+            f"{tuple(target.shape)}; memgrad_hf needs one target per position the LM head saw "
+            f"({tuple(hidden.shape[:-1])})."
+        )
+    h, w, bias = resolve_head(head, hidden.reshape(-1, hidden.shape[-1]), cap.owner)
+    chain: Chain = logits._chain
+    if chain.vocab_limit is not None:
+        w = w[: chain.vocab_limit]
+        bias = None if bias is None else bias[: chain.vocab_limit]
+    softcap, scale = epilogue_args(chain)
+    consumer = _consumer(patch, head, w, bias)
+    return linear_cross_entropy(
+        h, w, target.reshape(-1).to(h.device), bias=bias, ignore_index=ignore_index, softcap=softcap,
+        logit_scale=scale, label_smoothing=label_smoothing, reduction=reduction, chunk_size=patch.chunk_size,
+        accum_dtype=patch.accum_dtype, weight_grad_consumer=consumer,
+        grad_in_forward=True if getattr(consumer, "hold", False) else None,
     )
 
 

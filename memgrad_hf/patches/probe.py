@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from memgrad_hf.errors import UnsupportedModelError
@@ -63,16 +64,28 @@ class LogitsProbe(torch.Tensor):
 
     _chain: Chain
     _owner: str
+    # ``cross_entropy(probe, target, **kw) -> loss``, set while a patched model trains: models that apply
+    # ``nn.CrossEntropyLoss`` to their (unshifted) logits themselves get the chunked loss instead
+    _cross_entropy: Any
 
     @staticmethod
-    def __new__(cls, shape: torch.Size, dtype: torch.dtype, device: torch.device, chain: Chain, owner: str):
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, device: torch.device, chain: Chain, owner: str,
+                cross_entropy: Any = None):
         r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
         r._chain = chain
         r._owner = owner
+        r._cross_entropy = cross_entropy
         return r
 
     def __repr__(self) -> str:  # never touch data
         return f"LogitsProbe(shape={tuple(self.shape)}, {self._chain})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.cross_entropy and args and isinstance(args[0], LogitsProbe) and args[0]._cross_entropy:
+            return args[0]._cross_entropy(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -88,7 +101,7 @@ class LogitsProbe(torch.Tensor):
         out = func(*meta[0], **meta[1])
         if not isinstance(out, torch.Tensor):
             raise UnsupportedModelError(_unsupported(src._owner, func))
-        return LogitsProbe(out.shape, out.dtype, src.device, chain, src._owner)
+        return LogitsProbe(out.shape, out.dtype, src.device, chain, src._owner, src._cross_entropy)
 
 
 def _unsupported(owner: str, func: Any) -> str:

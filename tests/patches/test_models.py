@@ -70,3 +70,15 @@ def test_quirks_table_agrees_with_what_the_forward_does(family):
     assert seen["ep"].tanh == table.tanh
     assert seen["ep"].inp == pytest.approx(table.inp, rel=1e-6)
     assert seen["ep"].out == pytest.approx(table.out, rel=1e-6)
+
+
+def test_own_cross_entropy_refuses_what_it_cannot_reproduce():
+    # bart's decoder applies nn.CrossEntropyLoss to its unshifted logits: served in chunks (test above), but Trainer's
+    # label smoothing (which would smooth against shifted labels) cannot be reproduced through it: a clear error.
+    from memgrad_hf.patches.head import head_label_smoothing
+
+    model = tiny_model("bart").train()
+    memgrad_hf.patch_model(model)
+    ids = torch.randint(1, VOCAB, (2, 6))
+    with head_label_smoothing(model, 0.1), pytest.raises(memgrad_hf.UnsupportedModelError, match="label_smoothing"):
+        model(input_ids=ids, labels=ids)
