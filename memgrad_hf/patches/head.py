@@ -9,8 +9,8 @@ How it works, without a hand-copied forward per model:
 3. The model calls ``self.loss_function(logits=probe, labels=..., num_items_in_batch=..., ...)`` exactly as it
    would call HF's ``ForCausalLMLoss``; memgrad's loss shifts the labels the same way and computes the loss from
    the captured hidden states with :func:`memgrad_hf.functional.linear_cross_entropy`. (A model that applies
-   ``nn.CrossEntropyLoss`` to its own logits, unshifted, gets the same chunked loss from that call.) Whatever the model adds
-   to the loss afterwards (MoE auxiliary losses) is added to a real tensor as usual.
+   ``nn.CrossEntropyLoss`` to its own logits, unshifted, gets the same chunked loss from that call.) Whatever the
+   model adds to the loss afterwards (MoE auxiliary losses) is added to a real tensor as usual.
 4. ``outputs.logits`` is ``None`` for such calls. Evaluation (``model.eval()``) and ``generate`` run the
    original forward and return the same logits as the unpatched model.
 """
