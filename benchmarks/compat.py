@@ -221,11 +221,39 @@ def _tiny(family: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg).float().train()
 
 
-def check(family: str) -> tuple[str, str]:
+def _tiny_vision(family: str) -> torch.nn.Module:
+    """An image-text-to-text model with every sub-config (text, vision, ...) shrunk by the same rules, in fp32."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    base = AutoConfig.for_model(family)
+    changes: dict[str, Any] = {}
+    for name in getattr(base, "sub_configs", {}):
+        sub = getattr(base, name, None)
+        if hasattr(sub, "to_dict"):
+            changes[name] = {**sub.to_dict(), **_shrunk(sub.to_dict())}
+    for name, override in VISION_FAMILY.get(family, {}).items():
+        changes[name] = {**changes.get(name, {}), **override}
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(AutoConfig.for_model(family, **changes)).float().train()
+
+
+# multimodal rotary sections must sum to the (shrunk) head_dim / 2
+_MROPE = {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default", "mrope_section": [1, 1, 2]}}
+_QWEN_VIT = {"depth": 1, "num_heads": 4, "hidden_size": 32, "embed_dim": 32, "intermediate_size": 64,
+             "out_hidden_size": 32}
+VISION_FAMILY: dict[str, dict[str, Any]] = {
+    "qwen2_vl": {"text_config": _MROPE, "vision_config": _QWEN_VIT},
+    "qwen2_5_vl": {"text_config": _MROPE, "vision_config": _QWEN_VIT},
+}
+
+
+def check(family: str, vision: bool = False) -> tuple[str, str]:
+    """Text-only training forward of the tiny model, patched vs unpatched (``vision``: an image-text-to-text
+    model type)."""
     import memgrad_hf
 
     try:
-        model = _tiny(family)
+        model = _tiny_vision(family) if vision else _tiny(family)
     except Exception as e:
         return "untested", f"tiny config: {_why(e, 90)}"
     ref = copy.deepcopy(model)
@@ -263,14 +291,20 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("families", nargs="*", help="model types (default: every causal-LM model type)")
     p.add_argument("--timeout", type=int, default=30, help="seconds per family")
+    p.add_argument("--vision", action="store_true",
+                   help="image-text-to-text (vision-language) model types instead, text-only forward")
     a = p.parse_args(argv)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(2)
-    families = a.families or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    families = a.families or sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if a.vision
+                                    else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
     def on_alarm(*_: object) -> None:
         raise _Timeout
@@ -280,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     for fam in families:
         signal.alarm(a.timeout)
         try:
-            results[fam] = check(fam)
+            results[fam] = check(fam, a.vision)
         except _Timeout:
             results[fam] = ("untested", f"over {a.timeout}s")
         finally:
