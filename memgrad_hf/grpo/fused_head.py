@@ -17,7 +17,7 @@ import torch
 
 from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.functional import linear_logprobs
-from memgrad_hf.patches.head import capture_head_input, epilogue_args, resolve_head
+from memgrad_hf.patches.head import capture_head_input, head_operands
 from memgrad_hf.patches.probe import LogitsProbe
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -87,12 +87,7 @@ def add_fused_lm_head(
         weight_device = next(head.parameters()).device
         hidden, targets = hidden.to(weight_device), targets.to(weight_device)
         mask = targets != -100
-        hidden, weight, bias = resolve_head(head, hidden, cap.owner)
-        chain = probe._chain
-        if chain.vocab_limit is not None:
-            weight = weight[: chain.vocab_limit]
-            bias = None if bias is None else bias[: chain.vocab_limit]
-        softcap, scale = epilogue_args(chain)
+        hidden, weight, bias, softcap, scale = head_operands(head, hidden, cap.owner, probe._chain)
         ctx = nullcontext()
         if cast_lm_head_to_fp32:
             hidden, weight = hidden.float(), weight.float()

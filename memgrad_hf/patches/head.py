@@ -231,17 +231,28 @@ def _chunked_causal_lm_loss(
             f"labels give targets of shape {tuple(shift_labels.shape)} but the LM head saw hidden states of shape "
             f"{tuple(hidden.shape[:-1])}; with logits_to_keep, pass labels for the kept positions only."
         )
-    h, weight, bias = resolve_head(head, hidden, cap.owner)
+    return _chunked_cross_entropy(head, cap, patch, chain, hidden, shift_labels, ignore_index=ignore_index,
+                                  label_smoothing=patch.label_smoothing, num_items_in_batch=num_items_in_batch)
+
+
+def head_operands(head: nn.Module, hidden: torch.Tensor, owner: str, chain: Chain):
+    """``(hidden', weight, bias, softcap, logit_scale)`` that reproduce ``head(hidden)`` followed by what the
+    forward did to the logits (``chain``), for :mod:`memgrad_hf.functional`."""
+    h, weight, bias = resolve_head(head, hidden, owner)
     if chain.vocab_limit is not None:
         weight = weight[: chain.vocab_limit]
         bias = None if bias is None else bias[: chain.vocab_limit]
-    softcap, scale = epilogue_args(chain)
+    return (h, weight, bias, *epilogue_args(chain))
+
+
+def _chunked_cross_entropy(head: nn.Module, cap: _Capture, patch: HeadPatch, chain: Chain, hidden: torch.Tensor,
+                           targets: torch.Tensor, **loss_kwargs: Any) -> torch.Tensor:
+    h, weight, bias, softcap, scale = head_operands(head, hidden, cap.owner, chain)
     consumer = _consumer(patch, head, weight, bias)
     return linear_cross_entropy(
-        h, weight, shift_labels, bias=bias, ignore_index=ignore_index, softcap=softcap, logit_scale=scale,
-        label_smoothing=patch.label_smoothing,
-        num_items_in_batch=num_items_in_batch, chunk_size=patch.chunk_size, accum_dtype=patch.accum_dtype,
-        weight_grad_consumer=consumer, grad_in_forward=True if getattr(consumer, "hold", False) else None,
+        h, weight, targets, bias=bias, softcap=softcap, logit_scale=scale, chunk_size=patch.chunk_size,
+        accum_dtype=patch.accum_dtype, weight_grad_consumer=consumer,
+        grad_in_forward=True if getattr(consumer, "hold", False) else None, **loss_kwargs,
     )
 
 
@@ -278,19 +289,9 @@ def _chunked_own_cross_entropy(
             f"{tuple(target.shape)}; memgrad_hf needs one target per position the LM head saw "
             f"({tuple(hidden.shape[:-1])})."
         )
-    h, w, bias = resolve_head(head, hidden.reshape(-1, hidden.shape[-1]), cap.owner)
-    chain: Chain = logits._chain
-    if chain.vocab_limit is not None:
-        w = w[: chain.vocab_limit]
-        bias = None if bias is None else bias[: chain.vocab_limit]
-    softcap, scale = epilogue_args(chain)
-    consumer = _consumer(patch, head, w, bias)
-    return linear_cross_entropy(
-        h, w, target.reshape(-1).to(h.device), bias=bias, ignore_index=ignore_index, softcap=softcap,
-        logit_scale=scale, label_smoothing=label_smoothing, reduction=reduction, chunk_size=patch.chunk_size,
-        accum_dtype=patch.accum_dtype, weight_grad_consumer=consumer,
-        grad_in_forward=True if getattr(consumer, "hold", False) else None,
-    )
+    return _chunked_cross_entropy(head, cap, patch, logits._chain, hidden.reshape(-1, hidden.shape[-1]),
+                                  target.reshape(-1).to(hidden.device), ignore_index=ignore_index,
+                                  label_smoothing=label_smoothing, reduction=reduction)
 
 
 def _consumer(patch: HeadPatch, head: nn.Module, weight: torch.Tensor, bias: Any) -> Any:
