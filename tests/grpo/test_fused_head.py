@@ -125,3 +125,29 @@ def test_logit_ops_the_kernels_cannot_reproduce_are_refused():
     ids = torch.randint(1, VOCAB, (1, 6))
     with pytest.raises(UnsupportedModelError, match="log_softmax"):
         model(input_ids=ids, labels=ids, fused_lm_head=True)
+
+
+def test_vision_language_model_with_an_image():
+    # TRL scores VLM completions with pixel inputs: the model's own forward runs, so the image path is its own.
+    from transformers import AutoModelForImageTextToText, CLIPVisionConfig, LlavaConfig
+
+    from tests.tiny_models import tiny_config
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              image_size=16, patch_size=8)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(
+        LlavaConfig(vision_config=vision, text_config=tiny_config("llama"), image_token_index=VOCAB - 1)).eval()
+    ids = torch.randint(1, VOCAB - 2, (2, 10))
+    ids[:, 1:5] = VOCAB - 1  # 4 image tokens per row
+    labels = ids.clone()
+    labels[:, :5] = -100
+    pixels = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        logp = model(input_ids=ids, pixel_values=pixels).logits[:, :-1].log_softmax(-1)
+        mask = labels[:, 1:] != -100
+        want = logp.gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0] * mask
+        add_fused_lm_head(model)
+        got = model(input_ids=ids, pixel_values=pixels, labels=labels, fused_lm_head=True)
+    assert torch.equal(got.label_mask, mask)
+    assert torch.allclose(got.log_probs, want, rtol=1e-5, atol=1e-6)
