@@ -50,3 +50,13 @@ def test_bench_evaluate_runs_through_the_cli(capsys):
     rows = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in out.splitlines()
             if line.startswith(("| stock |", "| patched |"))}
     assert len(rows) == 2 and abs(float(rows["stock"]) - float(rows["patched"])) < 1e-5, out  # same eval_loss
+
+
+def test_bench_forge_runs_through_the_cli(capsys):
+    rc = cli.main(["bench", "forge", "--hidden", "32", "--layers", "1", "--vocab", "256", "--batch", "1", "--seq",
+                   "16", "--steps", "3", "--repeats", "1", "--configs", "adamw_torch", "forge_adamw+8bit_state+head"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    names = ("| adamw_torch |", "| forge_adamw+8bit_state+head |")
+    rows = [line for line in out.splitlines() if line.startswith(names)]
+    assert len(rows) == 2 and all("—" not in r for r in rows), out
