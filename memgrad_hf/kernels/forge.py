@@ -237,7 +237,8 @@ def apply_rule(
 
     ``offset``: index of ``p``'s first element in the whole parameter (``p`` is a contiguous row slice), so that the
     rounding noise, a hash of ``(seed, element index)``, does not depend on how the parameter is tiled. The work
-    runs in row blocks of ``SUB_BLOCK_BYTES`` (element-wise rules: the same values as one pass)."""
+    runs in row blocks of ``SUB_BLOCK_BYTES`` (element-wise rules: the same values as one pass). On CPU, reduced-
+    precision state or weights take the compiled loop of :mod:`memgrad_hf.kernels.forge_compiled`."""
     update, names = RULES[rule]
     if p.dim() == 0:
         p, g, st = p.view(1), g.reshape(1), {k: v.view(1) for k, v in st.items()}
@@ -245,8 +246,14 @@ def apply_rule(
     row_len = p.numel() // max(p.shape[0], 1)
     rows = max(1, limit // max(4 * row_len, 1))
     seeds = rounding_seeds(seed, names)
+    from memgrad_hf.kernels import forge_compiled  # (imports this module)
+
+    fast = forge_compiled.enabled(p, st, rule)
     for r0 in range(0, p.shape[0], rows):
         r1 = min(r0 + rows, p.shape[0])
+        if fast and forge_compiled.apply_rows(rule, p[r0:r1], g[r0:r1], {k: v[r0:r1] for k, v in st.items()}, hp,
+                                              step, stochastic_rounding, seeds, offset + r0 * row_len):
+            continue
         _apply_rows(update, names, p[r0:r1], g[r0:r1], {k: v[r0:r1] for k, v in st.items()}, hp, step,
                     stochastic_rounding, seeds, offset + r0 * row_len)
 
