@@ -236,8 +236,11 @@ def _runner(variant: tuple):
             fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
             os.close(fd)
             try:
+                # the child imports this package from where the parent found it, installed or not
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                    [str(Path(__file__).resolve().parents[2]), *filter(None, [os.environ.get("PYTHONPATH")])])}
                 res = subprocess.run([sys.executable, "-m", "memgrad_hf.kernels.forge_compiled", json.dumps(variant),
-                                      tmp], capture_output=True, text=True)
+                                      tmp], capture_output=True, text=True, env=env)
                 if res.returncode != 0:
                     raise RuntimeError(f"building the compiled update failed: {res.stderr.strip()[-2000:]}")
                 os.replace(tmp, path)  # atomic: concurrent builders each write their own file
