@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions
+from benchmarks.harness import Case, machine, peak_added_mib, profile_once, time_interleaved, versions
 
 PEERS = ("full_logits", "trl", "memgrad", "memgrad_triton")
 
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="after the table, profile one run of each peer")
     a = p.parse_args(argv)
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     torch.set_num_threads(a.threads)
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         rm = f"{m['added_mib'] / ref_m['added_mib']:.2f}x" if ref_m and ref_m["ok"] else ""
         rt = f"{t[1] / ref_t[1]:.2f}x" if isinstance(ref_t, tuple) else ""
         print(f"| {c.name} | {m['added_mib']:.0f} | {rm} | {t[0] * 1e3:.0f} / {t[1] * 1e3:.0f} | {rt} |", flush=True)
+    if a.profile:
+        print("".join(profile_once(c, a.device) for c in cases if isinstance(times.get(c.name), tuple)))
     return 0
 
 

@@ -109,6 +109,30 @@ def time_interleaved(cases: list[Case], device: str = "cpu", repeats: int = 3, w
     return out
 
 
+def profile_once(case: Case, device: str = "cpu", rows: int = 15) -> str:
+    """Run ``case`` once as warm-up, then once under ``torch.profiler``; return a Markdown section with the ops that
+    took the most time (device time on a GPU) and the number of host syncs: where a peer's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    try:
+        state = case.setup(device=device, **case.kwargs)
+        case.run(state)
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            case.run(state)
+            if cuda:
+                torch.cuda.synchronize()
+    except Exception as e:
+        return f"\n### profile: {case.name}\n\nfailed: {type(e).__name__}: {e}\n"
+    ev = prof.key_averages()
+    syncs = sum(e.count for e in ev if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                  "aten::_local_scalar_dense", "aten::item"))
+    table = ev.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=rows)
+    return f"\n### profile: {case.name} (host syncs / scalar reads: {syncs})\n\n```\n{table}\n```\n"
+
+
 def versions() -> str:
     import importlib.metadata as md
     import platform

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions
+from benchmarks.harness import Case, machine, peak_added_mib, profile_once, time_interleaved, versions
 
 PEERS = ("hf", "torch_lce", "trl", "liger", "memgrad", "memgrad_triton")
 
@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="after each vocabulary's table rows, profile one run of "
+                   "each peer: the ops that take the most (device) time, and host syncs")
     a = p.parse_args(argv)
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     torch.set_num_threads(a.threads)
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             tr = " | ".join(_tratio(t, times.get(r)) for r in refs)
             print(f"| {v} | {c.name} | {m['added_mib']:.0f} | {mr} | {t[0] * 1e3:.1f} / {t[1] * 1e3:.1f} | {tr} |",
                   flush=True)
+        if a.profile:
+            print("".join(profile_once(c, a.device) for c in cases if isinstance(times.get(c.name), tuple)))
     return 0
 
 

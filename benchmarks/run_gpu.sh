@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
 #   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
-#   [evaluate]   (default: all but evaluate)
+#   [evaluate] [head-profile]   (default: all but evaluate and head-profile)
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
 # (2026-11-22): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~2 (five configs; ~5.5 with nine; now eight), titans (kernel
 # table, four shapes) ~4, titans-layer (vs titans-pytorch) not yet seen: plan device calls of <= 10 min around them.
@@ -25,6 +25,11 @@ for part in $parts; do
       | tee "$out/titans-layer.md" ;;
     head) python -m benchmarks.head --device cuda --repeats 10 2>&1 | tee "$out/head.md" ;;
     grpo) python -m benchmarks.grpo --device cuda --repeats 10 2>&1 | tee "$out/grpo.md" ;;
+    head-profile)  # where the head's time goes on the GPU, per peer (top kernels by device time, host syncs)
+      { python -m benchmarks.head --device cuda --vocab 32768 --repeats 3 --profile --peers trl liger memgrad \
+          memgrad_triton
+        python -m benchmarks.grpo --device cuda --repeats 3 --profile --peers trl memgrad memgrad_triton; } 2>&1 \
+        | tee "$out/head-profile.md" ;;
     forge)  # ~1B Llama-style model, bf16 weights, batch 1 x 1024 tokens
       python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
         --seq 1024 --steps 6 --repeats 1 --configs adamw_torch_fused forge_adamw+bf16_state \

@@ -5,11 +5,12 @@ from memgrad_hf import cli
 
 def test_bench_head_runs_through_the_cli(capsys):
     rc = cli.main(["bench", "head", "--tokens", "64", "--hidden", "16", "--vocab", "256",
-                   "--peers", "hf", "torch_lce", "memgrad", "--repeats", "1"])
+                   "--peers", "hf", "torch_lce", "memgrad", "--repeats", "1", "--profile"])
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = [line for line in out.splitlines() if line.startswith("| 256 |")]
     assert len(rows) == 3 and all("—" not in r for r in rows), out
+    assert out.count("### profile: ") == 3 and "aten::mm" in out and "failed:" not in out
 
 
 def test_bench_compat_reports_exact_for_known_families(capsys):
