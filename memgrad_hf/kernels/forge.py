@@ -43,10 +43,27 @@ def lion_(p: Tensor, g: Tensor, st: dict[str, Tensor], hp: dict[str, Any], step:
     m.lerp_(gm, 1 - b2)
 
 
+def sgd_(p: Tensor, g: Tensor, st: dict[str, Tensor], hp: dict[str, Any], step: int) -> None:
+    """SGD with momentum, dampening, Nesterov and (L2) weight decay in ``torch.optim.SGD``'s op order; the momentum
+    buffer starts as the first step's direction, as torch's does (its ``None`` buffer is a fresh one here)."""
+    lr, mom, damp, wd = hp["lr"], hp["momentum"], hp["dampening"], hp["weight_decay"]
+    d = g if wd == 0 else g.add(p, alpha=wd)
+    if mom != 0:
+        buf = st["momentum_buffer"]
+        if step == 1:
+            buf.copy_(d)
+        else:
+            buf.mul_(mom).add_(d, alpha=1 - damp)
+        d = d.add(buf, alpha=mom) if hp["nesterov"] else buf
+    p.add_(d, alpha=-lr)
+
+
 RULES: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
     # name: (update, state tensors it keeps per parameter)
     "adamw": (adamw_, ("exp_avg", "exp_avg_sq")),
     "lion": (lion_, ("exp_avg",)),
+    "sgd": (sgd_, ()),  # momentum 0 in every group: no state
+    "sgd_momentum": (sgd_, ("momentum_buffer",)),
 }
 
 

@@ -4,9 +4,9 @@ Importing this package (``import memgrad_hf`` does) registers ``forge_adamw`` an
 optimizer names: ``TrainingArguments(optim="forge_adamw")`` or ``--optim forge_adamw`` on the command line.
 """
 
-from memgrad_hf.optim.forge import ForgeAdamW, ForgeLion, ForgeOptimizer
+from memgrad_hf.optim.forge import ForgeAdamW, ForgeLion, ForgeOptimizer, ForgeSGD
 from memgrad_hf.optim.registration import register
 
 register()
 
-__all__ = ["ForgeAdamW", "ForgeLion", "ForgeOptimizer", "register"]
+__all__ = ["ForgeAdamW", "ForgeLion", "ForgeOptimizer", "ForgeSGD", "register"]

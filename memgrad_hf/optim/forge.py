@@ -57,7 +57,7 @@ class _ClipRoot(torch.autograd.Function):
 
 
 class ForgeOptimizer(Optimizer):
-    """Base class; use :class:`ForgeAdamW` or :class:`ForgeLion`."""
+    """Base class; use :class:`ForgeAdamW`, :class:`ForgeLion` or :class:`ForgeSGD`."""
 
     rule: str = ""
 
@@ -566,6 +566,32 @@ class ForgeLion(ForgeOptimizer):
                  betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, **kwargs: Any) -> None:
         _check_hp(lr, betas, 0.0, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), model=model, **kwargs)
+
+
+class ForgeSGD(ForgeOptimizer):
+    """SGD (with momentum, dampening, Nesterov, L2 weight decay) applied inside the backward pass (FORGE): LOMO's
+    idea, but tile by tile with exact clipping. In fp32 the result equals ``torch.optim.SGD``. With ``momentum=0``
+    (the default, as torch's) it keeps no state at all.
+
+    Example::
+
+        from memgrad_hf.optim import ForgeSGD
+        opt = ForgeSGD(model.parameters(), model=model, lr=1e-2, momentum=0.9, nesterov=True)
+    """
+
+    def __init__(self, params: Iterable[Any], model: nn.Module | None = None, lr: float = 1e-3,
+                 momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+                 **kwargs: Any) -> None:
+        _check_hp(lr, (0.0, 0.0), 0.0, weight_decay)
+        if not 0.0 <= momentum < 1.0 or not 0.0 <= dampening <= 1.0:
+            raise ValueError(f"momentum must be in [0, 1) and dampening in [0, 1]; got {momentum}, {dampening}.")
+        if nesterov and (momentum == 0 or dampening != 0):
+            raise ValueError("nesterov=True needs momentum > 0 and dampening=0 (as torch.optim.SGD).")
+        groups = list(params)
+        moms = [g.get("momentum", momentum) for g in groups if isinstance(g, dict)] + [momentum]
+        self.rule = "sgd_momentum" if any(m != 0 for m in moms) else "sgd"
+        super().__init__(groups, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=bool(nesterov)), model=model, **kwargs)
 
 
 def _parse_dtype(d: torch.dtype | str | None) -> torch.dtype | None:

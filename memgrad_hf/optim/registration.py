@@ -12,7 +12,7 @@ from typing import Any
 
 log = logging.getLogger("memgrad_hf.forge")
 
-NAMES = {"FORGE_ADAMW": "forge_adamw", "FORGE_LION": "forge_lion"}
+NAMES = {"FORGE_ADAMW": "forge_adamw", "FORGE_LION": "forge_lion", "FORGE_SGD": "forge_sgd"}
 
 
 def _add_member(enum_cls: Any, name: str, value: str) -> Any:
@@ -39,16 +39,16 @@ def _parse_bool(v: str) -> bool:
 
 
 def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
-    from memgrad_hf.optim.forge import ForgeAdamW, ForgeLion
+    from memgrad_hf.optim.forge import ForgeAdamW, ForgeLion, ForgeSGD
 
     args = ctx.args
     name = str(getattr(args.optim, "value", args.optim))
     _check_trainer_args(args, name)
     kwargs = dict(ctx.optimizer_kwargs)
-    cls = ForgeAdamW if name == "forge_adamw" else ForgeLion
+    cls = {"forge_adamw": ForgeAdamW, "forge_lion": ForgeLion, "forge_sgd": ForgeSGD}[name]
     if cls is ForgeAdamW:
         kwargs.update(ctx.adam_kwargs)
-    else:
+    elif cls is ForgeLion:
         kwargs["betas"] = (args.adam_beta1, args.adam_beta2)
     kwargs["forge_model"] = ctx.model
     kwargs["max_grad_norm"] = float(args.max_grad_norm or 0.0)
@@ -63,11 +63,16 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             kwargs["state_dtype"] = value
         elif key == "head_grad":
             kwargs["head_grad"] = value
+        elif cls is ForgeSGD and key in ("momentum", "dampening"):
+            kwargs[key] = float(value)
+        elif cls is ForgeSGD and key == "nesterov":
+            kwargs["nesterov"] = _parse_bool(value)
         else:
             raise ValueError(
                 f"optim_args key {key!r} is not understood by {name}; supported: clip=exact|previous, "
                 "stochastic_rounding=true|false, state_dtype=auto|fp32|bf16|8bit, tile_bytes=N, "
-                "head_grad=recompute|hold."
+                "head_grad=recompute|hold" + ("; momentum=F, dampening=F, nesterov=true|false." if cls is ForgeSGD
+                                              else ".")
             )
     if kwargs["max_grad_norm"] > 0:
         log.warning(
