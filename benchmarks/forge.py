@@ -26,6 +26,11 @@ CONFIGS = {
     "forge_adamw+bf16_state": dict(optim="forge_adamw", optim_args="state_dtype=bf16"),
     "forge_adamw+8bit_state": dict(optim="forge_adamw", optim_args="state_dtype=8bit"),
     "forge_lion": dict(optim="forge_lion"),
+    # plain SGD (no state): torch, LOMO (SGD fused into backward per whole parameter, lomo-optim) and FORGE
+    "sgd": dict(optim="sgd"),
+    "lomo": dict(optim="lomo"),
+    "forge_sgd": dict(optim="forge_sgd"),
+    "forge_sgd+head": dict(optim="forge_sgd", patch=True),
     "forge_adamw+clip": dict(optim="forge_adamw", max_grad_norm=1.0),
     "adamw_torch+clip": dict(optim="adamw_torch", max_grad_norm=1.0),
     # with memgrad_hf.patch_model: the chunked head hands its weight gradient to FORGE in vocabulary blocks
