@@ -127,12 +127,14 @@ def _forge_linear_kernel(
     N, OUT, IN, S_COLS,
     s_dyn, s_dyo, s_xn, s_xi, s_wo, s_wi,
     lr, beta1, beta2, eps, wd, bc1, bc2_sqrt, key_w, key_v, coef, idx_off,
-    FROM_GRAD: tl.constexpr, HAS_ACC: tl.constexpr, IS_LION: tl.constexpr, LOWP: tl.constexpr,
+    FROM_GRAD: tl.constexpr, HAS_ACC: tl.constexpr, RULE: tl.constexpr, LOWP: tl.constexpr,
     IS_BF16: tl.constexpr, W_BF16: tl.constexpr,
     M_KIND: tl.constexpr, V_KIND: tl.constexpr, W_SR: tl.constexpr, G_LOWP: tl.constexpr, ACC_LOWP: tl.constexpr,
-    TENSOR_CORES: tl.constexpr,
+    TENSOR_CORES: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr, FIRST: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
+    """RULE: 0 AdamW, 1 Lion, 2 SGD (beta1 = momentum, beta2 = dampening; HAS_M: a momentum buffer in m_ptr; FIRST:
+    the buffer's first step, which takes the direction as it is, as torch.optim.SGD does)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -181,14 +183,28 @@ def _forge_linear_kernel(
         soffs = rows[:, None] * IN + cols[None, :]  # state tensors are contiguous
         srow = rows * S_COLS + pid_n  # 8-bit scales: [OUT, S_COLS], block pid_n of each row
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = _load_state(m_ptr, ms_ptr, soffs, srow, mask, rmask, M_KIND, False)
-        w = w * (1.0 - lr * wd)
-        if IS_LION:
+        if HAS_M:
+            m = _load_state(m_ptr, ms_ptr, soffs, srow, mask, rmask, M_KIND, False)
+        if RULE == 2:  # SGD: L2 decay into the direction, then momentum (torch.optim.SGD's order)
+            d = g + wd * w
+            if HAS_M:
+                if FIRST:
+                    m = d
+                else:
+                    m = m * beta1 + (1.0 - beta2) * d
+                if NESTEROV:
+                    d = d + beta1 * m
+                else:
+                    d = m
+            w = w - lr * d
+        elif RULE == 1:  # Lion
+            w = w * (1.0 - lr * wd)
             c = m + (g - m) * (1.0 - beta1)
             u = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
             w = w - lr * u
             m = m + (g - m) * (1.0 - beta2)
-        else:
+        else:  # AdamW
+            w = w * (1.0 - lr * wd)
             v = _load_state(v_ptr, vs_ptr, soffs, srow, mask, rmask, V_KIND, True)
             m = m + (g - m) * (1.0 - beta1)  # lerp, as torch's lerp_ (an FMA on CPU)
             v = v * beta2 + (1.0 - beta2) * g * g
@@ -196,8 +212,9 @@ def _forge_linear_kernel(
             w = w + tl.div_rn(-(lr / bc1) * m, denom)
             _store_state(v_ptr, vs_ptr, soffs, srow, mask, v, rmask, key_v.to(tl.uint32, bitcast=True), idx,
                          V_KIND, True, True)
-        _store_state(m_ptr, ms_ptr, soffs, srow, mask, m, rmask, key_v.to(tl.uint32, bitcast=True), idx,
-                     M_KIND, False, False)
+        if HAS_M:
+            _store_state(m_ptr, ms_ptr, soffs, srow, mask, m, rmask, key_v.to(tl.uint32, bitcast=True), idx,
+                         M_KIND, False, False)
         if W_BF16 and W_SR:
             w = _round_stochastic(w, _hash_bits(key_w.to(tl.uint32, bitcast=True), idx, 16), 16)
         elif W_BF16:
@@ -205,6 +222,19 @@ def _forge_linear_kernel(
         tl.store(w_ptr + offs, w.to(w_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(bad_ptr, 1)
+
+
+def _rule_args(rule: str, hp: dict[str, Any], step: int) -> dict[str, Any]:
+    """The kernel's rule constants and its (beta1, beta2, eps, bc1, bc2_sqrt) for ``rule``."""
+    if rule not in K.TRITON_RULES:
+        raise ValueError(f"no Triton FORGE kernel for rule {rule!r}")
+    if rule.startswith("sgd"):
+        consts = dict(RULE=2, HAS_M=rule == "sgd_momentum", NESTEROV=bool(hp["nesterov"]), FIRST=step == 1)
+        return {"consts": consts, "scalars": (float(hp["momentum"]), float(hp["dampening"]), 0.0, 1.0, 1.0)}
+    b1, b2 = hp["betas"]
+    consts = dict(RULE=1 if rule == "lion" else 0, HAS_M=True, NESTEROV=False, FIRST=False)
+    return {"consts": consts, "scalars": (float(b1), float(b2), float(hp.get("eps", 0.0)), float(1 - b1**step),
+                                          float((1 - b2**step) ** 0.5))}
 
 
 def _kind(t: Tensor) -> int:
@@ -235,14 +265,11 @@ def linear_weight_step(
     ``(Σ dW², number of tiles skipped for non-finite values)`` as device tensors. State in fp32, bf16 or 8-bit
     (``st`` then also holds ``<name>.scale``); bf16 weights rounded to nearest or, with ``stochastic_rounding``,
     stochastically with the twin's noise (a hash of ``seed`` and the element index)."""
-    if rule not in ("adamw", "lion"):
-        raise ValueError(f"no Triton FORGE kernel for rule {rule!r}")
+    ra = _rule_args(rule, hp, step)
     n, out_f = dy.shape
     in_f = x.shape[1]
-    lr, (b1, b2), wd = hp["lr"], hp["betas"], hp["weight_decay"]
-    eps = hp.get("eps", 0.0)
     names = K.RULES[rule][1]
-    m = st["exp_avg"]
+    m = st[names[0]] if names else w  # w: a placeholder pointer where the rule keeps no state
     v = st.get("exp_avg_sq", m)
     if not (w.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
         raise ValueError("the Triton FORGE kernel takes contiguous weights and optimizer state")
@@ -256,17 +283,18 @@ def linear_weight_step(
     bm, bn, bk = 64, 64, 64 if lowp else 32
     assert bn == K.Q_BLOCK
     seeds = K.rounding_seeds(seed, names)
-    scale = {k: st.get(k + ".scale", w) for k in names}  # w: a placeholder pointer where no scales exist
+    m_scale = st.get(names[0] + ".scale", w) if names else w  # w: a placeholder pointer where no scales exist
+    b1, b2, eps, bc1, bc2_sqrt = ra["scalars"]
     grid = (triton.cdiv(out_f, bm), triton.cdiv(in_f, bn))
     _forge_linear_kernel[grid](
         dy, x, w, *(t.view(torch.uint8) if t.dtype == K.Q_DTYPE else t for t in (m, v)),  # codes as bytes
-        scale["exp_avg"], scale.get("exp_avg_sq", scale["exp_avg"]),
+        m_scale, st.get("exp_avg_sq.scale", m_scale),
         acc if acc is not None else w, norm, bad,
         n, out_f, in_f, triton.cdiv(in_f, K.Q_BLOCK),
         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-        float(lr), float(b1), float(b2), float(eps), float(wd), float(1 - b1**step), float((1 - b2**step) ** 0.5),
-        K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[names[-1]])), 1.0, 0,
-        FROM_GRAD=False, HAS_ACC=acc is not None, IS_LION=rule == "lion", LOWP=lowp, IS_BF16=dy.dtype == torch.bfloat16,
+        float(hp["lr"]), b1, b2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt,
+        K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[(names or ("p",))[-1]])), 1.0, 0,
+        FROM_GRAD=False, HAS_ACC=acc is not None, LOWP=lowp, IS_BF16=dy.dtype == torch.bfloat16, **ra["consts"],
         W_BF16=w.dtype == torch.bfloat16, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding), G_LOWP=0,
         ACC_LOWP=0 if acc is None else {torch.bfloat16: 1, torch.float16: 2}.get(acc.dtype, 0),
         BM=bm, BN=bn, BK=bk,
@@ -294,16 +322,15 @@ def update_step(
     """The update of any parameter (or contiguous row block of one) from its given gradient ``g``, in one kernel and
     without a host sync: the twin of :func:`memgrad_hf.kernels.forge.update_step` (same signature). ``coef`` scales
     ``g`` after its norm is taken; ``offset``: index of ``p``'s first element in the whole parameter (noise)."""
-    if rule not in ("adamw", "lion"):
-        raise ValueError(f"no Triton FORGE kernel for rule {rule!r}")
+    ra = _rule_args(rule, hp, step)
     names = K.RULES[rule][1]
     if not (p.is_contiguous() and g.is_contiguous() and all(v.is_contiguous() for v in st.values())):
         raise ValueError("the Triton FORGE update takes contiguous tensors")
     cols = p.shape[-1] if p.dim() >= 2 else max(p.numel(), 1)
     as2d = lambda t: t.view(-1, cols) if t.dim() >= 2 and t.shape[-1] == cols else t.view(1, -1)  # noqa: E731
     p2, g2 = as2d(p), as2d(g)
-    m = as2d(st["exp_avg"])
-    v = as2d(st.get("exp_avg_sq", st["exp_avg"]))
+    m = as2d(st[names[0]]) if names else p2  # p2: a placeholder pointer where the rule keeps no state
+    v = as2d(st["exp_avg_sq"]) if "exp_avg_sq" in st else m
     scale = {k: st[k + ".scale"] for k in names if k + ".scale" in st}
     out_f, in_f = p2.shape
     norm = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -313,16 +340,17 @@ def update_step(
     if scale:
         bm, bn = 64, K.Q_BLOCK  # 8-bit state: a tile's row is one scale block
     grid = (triton.cdiv(out_f, bm), triton.cdiv(in_f, bn))
+    m_scale = scale.get(names[0], p2) if names else p2
+    b1, b2, eps, bc1, bc2_sqrt = ra["scalars"]
     _forge_linear_kernel[grid](
         g2, g2, p2, *(t.view(torch.uint8) if t.dtype == K.Q_DTYPE else t for t in (m, v)),
-        scale.get("exp_avg", p2), scale.get("exp_avg_sq", scale.get("exp_avg", p2)), g2, norm, bad,
+        m_scale, scale.get("exp_avg_sq", m_scale), g2, norm, bad,
         0, out_f, in_f, triton.cdiv(in_f, K.Q_BLOCK),
         0, 0, 0, 0, p2.stride(0), p2.stride(1),
-        float(hp["lr"]), float(hp["betas"][0]), float(hp["betas"][1]), float(hp.get("eps", 0.0)),
-        float(hp["weight_decay"]), float(1 - hp["betas"][0] ** step), float((1 - hp["betas"][1] ** step) ** 0.5),
-        K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[names[-1]])), float(coef),
+        float(hp["lr"]), b1, b2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt,
+        K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[(names or ("p",))[-1]])), float(coef),
         K._as_int32(offset),
-        FROM_GRAD=True, HAS_ACC=True, IS_LION=rule == "lion", LOWP=False, IS_BF16=False,
+        FROM_GRAD=True, HAS_ACC=True, LOWP=False, IS_BF16=False, **ra["consts"],
         W_BF16=p.dtype == torch.bfloat16, M_KIND=_kind(m), V_KIND=_kind(v), W_SR=bool(stochastic_rounding),
         G_LOWP={torch.bfloat16: 1, torch.float16: 2}.get(g.dtype, 0) if coef != 1.0 else 0, ACC_LOWP=0,
         BM=bm, BN=bn, BK=16, TENSOR_CORES=False, num_warps=4, num_stages=1,

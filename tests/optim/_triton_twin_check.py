@@ -10,6 +10,15 @@ from memgrad_hf.kernels import forge as K
 from memgrad_hf.kernels import forge_triton as T
 
 
+def _hp(rule: str, variant: bool = False) -> dict:
+    """Hyper-parameters for ``rule``; SGD with momentum alternates Nesterov and dampening by ``variant``."""
+    if rule.startswith("sgd"):
+        mom = 0.9 if rule == "sgd_momentum" else 0.0
+        return {"lr": 1e-2, "momentum": mom, "dampening": 0.3 if variant else 0.0,
+                "nesterov": mom > 0 and not variant, "weight_decay": 0.1}
+    return {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+
+
 def _errs(w0, w, st, n, w_ref, st_ref, n_ref, names) -> float:
     errs = [((w - w_ref).abs().max() / (w0 - w_ref).abs().max()).item(), abs(n.item() - n_ref.item()) / n_ref.item()]
     errs += [((st[k] - st_ref[k]).abs().max() / st_ref[k].abs().max()).item() for k in names]
@@ -28,7 +37,7 @@ def check(rule: str, with_acc: bool, step: int, device: str = "cpu") -> tuple[fl
     acc = torch.randn(out_f, in_f, generator=g) if with_acc else None
     dy, x, w, acc = (None if t is None else t.to(device) for t in (dy, x, w, acc))
     st = {k: v.to(device) for k, v in st.items()}
-    hp = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+    hp = _hp(rule, with_acc)
     w1, st1 = w.clone(), {k: v.clone() for k, v in st.items()}
     w2, st2 = w.clone(), {k: v.clone() for k, v in st.items()}
     n1, b1 = K.linear_weight_step(rule, dy, x, w1, st1, hp, step, acc, rows_per_tile=16)
@@ -66,7 +75,7 @@ def check_bf16(rule: str, step: int, device: str = "cpu") -> float:
     st = {k: torch.rand(out_f, in_f, generator=g) * (0.1 if k == "exp_avg_sq" else 1.0) for k in names}
     dy, x, w = (t.to(device, torch.bfloat16) for t in (dy, x, w))
     st = {k: v.to(device) for k, v in st.items()}
-    hp = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+    hp = _hp(rule)
     w1, st1 = w.clone(), {k: v.clone() for k, v in st.items()}
     w2, st2 = w.clone(), {k: v.clone() for k, v in st.items()}
     K.linear_weight_step(rule, dy, x, w1, st1, hp, step, None, rows_per_tile=16)
@@ -99,7 +108,7 @@ def check_lowp_state(rule: str, state: str, stochastic: bool, step: int, device:
             st[k], st[k + ".scale"] = K.quantize_8bit(val.sqrt() if k == "exp_avg_sq" else val)
         else:
             st[k] = val.to(torch.bfloat16)
-    hp = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+    hp = _hp(rule)
     w1, st1 = w.clone(), {k: v.clone() for k, v in st.items()}
     w2, st2 = w.clone(), {k: v.clone() for k, v in st.items()}
     K.linear_weight_step(rule, dy, x, w1, st1, hp, step, None, rows_per_tile=16, stochastic_rounding=stochastic,
@@ -135,7 +144,7 @@ def check_update(rule: str, case: str, device: str = "cpu") -> float:
     8-bit-state matrix. Returns the worst relative error of fp32 values / fraction of rounded values that differ
     (raising if any rounded value is more than one step away), and checks the norm."""
     g = torch.Generator().manual_seed(len(case) + len(rule))
-    hp = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+    hp = _hp(rule)
     names = K.RULES[rule][1]
     kw: dict = {}
     if case == "gain":  # 1-D, fp32 everything, 300 elements (partial tiles)
@@ -183,13 +192,14 @@ def check_update(rule: str, case: str, device: str = "cpu") -> float:
 
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    results = [check(rule, acc, step, dev) for rule in ("adamw", "lion") for acc in (False, True) for step in (1, 7)]
+    rules = K.TRITON_RULES
+    results = [check(rule, acc, step, dev) for rule in rules for acc in (False, True) for step in (1, 7)]
     worst = max(r[0] for r in results)
-    bf16_ok = max(check_bf16(rule, step, dev) for rule in ("adamw", "lion") for step in (1, 7)) <= 1.0
+    bf16_ok = max(check_bf16(rule, step, dev) for rule in rules for step in (1, 7)) <= 1.0
     # reduced-precision state: nearly all values bit-identical (the same noise hash), the rest one step apart
-    bf16_ok &= max(check_lowp_state(rule, state, sr, 3, dev) for rule in ("adamw", "lion")
+    bf16_ok &= max(check_lowp_state(rule, state, sr, 3, dev) for rule in ("adamw", "lion", "sgd_momentum")
                    for state in ("bf16", "8bit") for sr in (False, True)) <= 0.01
-    bf16_ok &= max(check_update(rule, case, dev) for rule in ("adamw", "lion")
+    bf16_ok &= max(check_update(rule, case, dev) for rule in rules
                    for case in ("gain", "bf16_block", "8bit")) <= 0.01
     if dev == "cpu":
         print(f"max relative error {worst:.3e}")
