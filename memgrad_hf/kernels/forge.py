@@ -65,7 +65,7 @@ RULES: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
     "sgd": (sgd_, ()),  # momentum 0 in every group: no state
     "sgd_momentum": (sgd_, ("momentum_buffer",)),
 }
-TRITON_RULES = ("adamw", "lion", "sgd", "sgd_momentum")  # the rules the Triton kernel implements
+KERNEL_RULES = ("adamw", "lion", "sgd", "sgd_momentum")  # what the fused kernels (Triton; compiled CPU) implement
 
 
 # ---------------------------------------------------------------------------------------------- precision

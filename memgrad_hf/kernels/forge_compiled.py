@@ -47,7 +47,7 @@ def enabled(p: Tensor, st: dict[str, Tensor], rule: str) -> bool:
     knows, 8-bit rows that are whole quantization blocks, and compiling not disabled or failed."""
     if p.device.type != "cpu" or _FAILED or os.environ.get("MEMGRAD_COMPILE", "1").strip() == "0":
         return False
-    if rule not in ("adamw", "lion") or p.dim() == 0 or p.shape[-1] % K.Q_BLOCK:
+    if rule not in K.KERNEL_RULES or p.dim() == 0 or p.shape[-1] % K.Q_BLOCK:
         return False
     dtypes = {v.dtype for k, v in st.items() if not k.endswith(".scale")} | {p.dtype}
     if dtypes == {torch.float32} or not dtypes <= {torch.float32, torch.bfloat16, K.Q_DTYPE}:
@@ -98,7 +98,14 @@ def _quantize(x: Tensor, key: Tensor | None, keep_positive: bool) -> tuple[Tenso
 def _coefficients(rule: str, hp: dict[str, Any], step: int) -> Tensor:
     """The rule's step scalars, computed in Python doubles exactly as the eager rules compute them, then as fp32
     (eager applies Python scalars to fp32 tensors in fp32). Data, not constants: no recompile per step."""
-    lr, (b1, b2), wd = hp["lr"], hp["betas"], hp["weight_decay"]
+    lr, wd = hp["lr"], hp["weight_decay"]
+    if rule.startswith("sgd"):
+        # the buffer's first step and Nesterov as coefficients: buf·0 + d·1 and d·0 + buf·1 are exact
+        mom, damp = hp.get("momentum", 0.0), hp.get("dampening", 0.0)
+        keep = (0.0, 1.0) if step == 1 else (mom, 1 - damp)
+        c = [-lr, wd, *keep, *((1.0, mom) if hp.get("nesterov") else (0.0, 1.0))]
+        return torch.tensor(c, dtype=torch.float32)
+    b1, b2 = hp["betas"]
     if rule == "adamw":
         c = [1 - lr * wd, 1 - b1, b2, 1 - b2, (1 - b2**step) ** 0.5, hp["eps"], -(lr / (1 - b1**step))]
     else:
@@ -119,6 +126,15 @@ def _lion(p: Tensor, g: Tensor, m: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     p = p * c[0]
     p = p + c[2] * m.lerp(g, c[1]).sign()
     return p, m.lerp(g, c[3])
+
+
+def _sgd(p: Tensor, g: Tensor, buf: Tensor | None, c: Tensor) -> tuple[Tensor, Tensor | None]:
+    """:func:`memgrad_hf.kernels.forge.sgd_`, out of place (``buf`` None: no momentum)."""
+    d = g + c[1] * p
+    if buf is not None:
+        buf = buf * c[2] + d * c[3]
+        d = d * c[4] + buf * c[5]
+    return p + c[0] * d, buf
 
 
 def _load(st: dict[str, Tensor], n: str) -> Tensor:
@@ -151,9 +167,13 @@ def _kernel(rule: str, stochastic_p: bool, p: Tensor, g: Tensor, st: dict[str, T
         p32, m, v = _adamw(p32, g32, _load(st, "exp_avg"), _load(st, "exp_avg_sq"), c)
         _save(st, "exp_avg", m, keys[1])
         _save(st, "exp_avg_sq", v, keys[2])
-    else:
+    elif rule == "lion":
         p32, m = _lion(p32, g32, _load(st, "exp_avg"), c)
         _save(st, "exp_avg", m, keys[1])
+    else:
+        p32, buf = _sgd(p32, g32, _load(st, "momentum_buffer") if rule == "sgd_momentum" else None, c)
+        if buf is not None:
+            _save(st, "momentum_buffer", buf, keys[1])
     if p.dtype == torch.float32:
         p.copy_(p32)
     else:
@@ -205,7 +225,7 @@ def _example(variant: tuple, blocks: int = 16) -> list[Tensor]:
         st[n] = torch.zeros(blocks, K.Q_BLOCK, dtype=_DTYPES[kind])
         if kind == "q8":
             st[n + ".scale"] = torch.ones(blocks)
-    c = _coefficients(rule, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}, 1)
+    c = _coefficients(rule, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.9}, 2)
     return _flat_args(rule, p, torch.zeros(blocks, K.Q_BLOCK), st, c, torch.zeros(len(states) + 1, dtype=torch.int32))
 
 

@@ -226,7 +226,7 @@ def _forge_linear_kernel(
 
 def _rule_args(rule: str, hp: dict[str, Any], step: int) -> dict[str, Any]:
     """The kernel's rule constants and its (beta1, beta2, eps, bc1, bc2_sqrt) for ``rule``."""
-    if rule not in K.TRITON_RULES:
+    if rule not in K.KERNEL_RULES:
         raise ValueError(f"no Triton FORGE kernel for rule {rule!r}")
     if rule.startswith("sgd"):
         consts = dict(RULE=2, HAS_M=rule == "sgd_momentum", NESTEROV=bool(hp["nesterov"]), FIRST=step == 1)

@@ -304,7 +304,7 @@ class ForgeOptimizer(Optimizer):
         """One Triton kernel per update on CUDA (no host sync, no temporaries), else the torch twin (which also
         takes non-contiguous tensors)."""
         if (backend(target.device) == "triton" and target.is_contiguous() and g.is_contiguous()
-                and self.rule in K.TRITON_RULES):
+                and self.rule in K.KERNEL_RULES):
             from memgrad_hf.kernels import forge_triton
 
             return forge_triton.update_step
@@ -425,7 +425,7 @@ class ForgeOptimizer(Optimizer):
     def _weight_step_impl(self, weight: Tensor):
         """The Triton kernel on CUDA (fp32, bf16 or 8-bit state; nearest or stochastic rounding: the same noise as
         the twin), else the torch twin."""
-        if backend(weight.device) == "triton" and weight.is_contiguous() and self.rule in K.TRITON_RULES:
+        if backend(weight.device) == "triton" and weight.is_contiguous() and self.rule in K.KERNEL_RULES:
             from memgrad_hf.kernels import forge_triton
 
             return forge_triton.linear_weight_step

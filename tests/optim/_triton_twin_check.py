@@ -192,7 +192,7 @@ def check_update(rule: str, case: str, device: str = "cpu") -> float:
 
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    rules = K.TRITON_RULES
+    rules = K.KERNEL_RULES
     results = [check(rule, acc, step, dev) for rule in rules for acc in (False, True) for step in (1, 7)]
     worst = max(r[0] for r in results)
     bf16_ok = max(check_bf16(rule, step, dev) for rule in rules for step in (1, 7)) <= 1.0
