@@ -8,7 +8,7 @@ from transformers import Trainer
 
 import memgrad_hf  # noqa: F401  (registers forge_*)
 from memgrad_hf.optim import ForgeSGD
-from tests.optim.test_forge_trainer import _args, _assert_weights_close, _train
+from tests.optim.test_forge_trainer import _args, _assert_weights_close, _steps_side_by_side, _train
 from tests.test_trainer_integration import _data
 from tests.tiny_models import tiny_model
 
@@ -23,12 +23,7 @@ def test_standalone_forge_sgd_equals_torch_sgd(kw):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, foreach=False, **kw)
     assert opt.rule == ("sgd_momentum" if kw.get("momentum") else "sgd")
     ids = torch.randint(1, 100, (2, 8))
-    for _ in range(3):
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        ref(input_ids=ids, labels=ids).loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    _steps_side_by_side(model, opt, ref, ref_opt, ids, 3)
     _assert_weights_close(model, ref)
     assert all(p.grad is None for p in model.parameters())
     if not kw.get("momentum"):

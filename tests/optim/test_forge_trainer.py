@@ -164,18 +164,23 @@ def test_fp16_and_bad_optim_args_are_refused(tmp_path):
         t.create_optimizer()
 
 
+def _steps_side_by_side(model, opt, ref, ref_opt, ids, steps: int) -> None:
+    """``steps`` plain-loop steps of a FORGE optimizer and a torch.optim one on a copy of the model."""
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+
 def test_standalone_loop_and_non_finite_gradients_skip(tmp_path):
     model = tiny_model("llama")
     ref = copy.deepcopy(model)
     opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, weight_decay=0.0)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
     ids = torch.randint(1, 100, (2, 8))
-    for _ in range(2):
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        ref(input_ids=ids, labels=ids).loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    _steps_side_by_side(model, opt, ref, ref_opt, ids, 2)
     _assert_weights_close(model, ref)
     before = [p.detach().clone() for p in model.parameters()]
     (model(input_ids=ids, labels=ids).loss * float("nan")).backward()
