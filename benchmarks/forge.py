@@ -108,6 +108,33 @@ def _step_profiler(config: str, device: str, last_step: int):
     return StepProfiler()
 
 
+def _host_profiler(config: str, last_step: int):
+    """cProfile of the run's last step: where the host (Python, kernel launches) spends a step. On a GPU a step is
+    host-bound when this total exceeds the device time."""
+    import cProfile
+    import io
+    import pstats
+
+    from transformers import TrainerCallback
+
+    class HostProfiler(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == last_step - 1:
+                self.prof = cProfile.Profile()
+                self.prof.enable()
+
+        def on_step_end(self, args, state, control, **kw):
+            if getattr(self, "prof", None) is None:
+                return
+            self.prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(self.prof, stream=buf).sort_stats("tottime").print_stats(25)
+            print(f"\n### host profile of one step: {config}\n\n```\n{buf.getvalue().strip()}\n```")
+            self.prof = None
+
+    return HostProfiler()
+
+
 def _step_timer(config: str, sync: bool):
     from transformers import TrainerCallback
 
@@ -142,6 +169,8 @@ def run(s: dict) -> None:
     t.add_callback(_step_timer(s["config"], s["device"].startswith("cuda")))
     if s.get("profile"):
         t.add_callback(_step_profiler(s["config"], s["device"], s["steps"]))
+    if s.get("host_profile"):
+        t.add_callback(_host_profiler(s["config"], s["steps"]))
     t.train()
     opt = getattr(t.optimizer, "optimizer", t.optimizer)
     if hasattr(opt, "detach"):
@@ -164,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true",
                    help="after the table, run each configuration once more and profile its last step")
+    p.add_argument("--host-profile", action="store_true",
+                   help="after the table, run each configuration once more and cProfile its last step (host time)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     kw = dict(hidden=a.hidden, layers=a.layers, vocab=a.vocab, batch=a.batch, seq=a.seq, steps=a.steps, bf16=a.bf16)
@@ -191,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.profile:
         for c in cases:
             run({**setup(a.device, c.name, **kw), "profile": True})
+    if a.host_profile:
+        for c in cases:
+            run({**setup(a.device, c.name, **kw), "host_profile": True})
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
 #   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
-#   [evaluate] [head-profile]   (default: all but evaluate and head-profile)
+#   [evaluate] [head-profile] [forge-host]   (default: all but evaluate, head-profile and forge-host)
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
 # (2026-11-22): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~2 (five configs; ~5.5 with nine; now eight), titans (kernel
 # table, four shapes) ~4, titans-layer (vs titans-pytorch) not yet seen: plan device calls of <= 10 min around them.
@@ -39,6 +39,11 @@ for part in $parts; do
       python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
         --seq 1024 --steps 4 --repeats 1 --profile --configs adamw_torch_fused forge_lion forge_adamw+bf16_state \
         2>&1 | tee "$out/forge-profile.md" ;;
+    forge-host)  # host time per FORGE layer vs device time, and a cProfile of one step (is a step host-bound?)
+      { python -m benchmarks.forge_launch
+        python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
+          --seq 1024 --steps 4 --repeats 1 --host-profile --configs adamw_torch_fused forge_lion; } 2>&1 \
+        | tee "$out/forge-host.md" ;;
     evaluate) python -m benchmarks.evaluate --device cuda --vocab 128256 --hidden 1024 --seq 1024 --rows 32 \
         --repeats 5 2>&1 | tee "$out/evaluate.md" ;;
     *) echo "unknown part $part"; status=1 ;;

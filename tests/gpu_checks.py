@@ -117,8 +117,11 @@ def check_forge_low_precision_trainer() -> None:
     """bf16 model, FORGE's default (bf16 state; AdamW and Lion) and 8-bit state (with gradient accumulation), 4
     Trainer steps with clipping: the Triton kernels
     against the torch path on the same device (the rounding noise is the same hash in both). The weight gradients
-    come from different GEMMs (tensor-core tiles vs cuBLAS), so a few bf16 roundings may fall the other way: the
-    weights must agree within a few bf16 spacings and the losses within 1e-3."""
+    come from different GEMMs (tensor-core tiles vs cuBLAS), so some bf16 roundings fall the other way and Adam
+    magnifies them where v is tiny; over 4 steps that moves 1.8% (bf16 state) to 5.4% (8-bit state) of the weights
+    more than one bf16 spacing apart (H100, 2026-11-23), while a wrong rule, bias correction or noise stream moves
+    most of them. So: the total update (weights after minus before) must agree within 5% (relative L2), at most 10%
+    of the weights may be more than one spacing apart, and the losses must agree within 1e-3."""
     from transformers import Trainer, TrainingArguments
 
     import memgrad_hf  # noqa: F401  (registers forge_*)
@@ -153,7 +156,11 @@ def check_forge_low_precision_trainer() -> None:
                   for p, q in zip(mt.parameters(), mr.parameters(), strict=True))
         total = sum(p.numel() for p in mr.parameters())
         what = f"{optim} {optim_args}, accumulation {accumulation}, bf16 model: Triton vs torch path"
-        report(f"{what}, fraction of weights > 1 bf16 spacing apart", far / total, 0.01)
+        report(f"{what}, fraction of weights > 1 bf16 spacing apart", far / total, 0.10)
+        pairs = list(zip(mt.parameters(), mr.parameters(), base.parameters(), strict=True))
+        num = sum(((p.float() - q.float()) ** 2).sum().item() for p, q, _ in pairs)
+        den = sum(((q.float() - b.float()) ** 2).sum().item() for _, q, b in pairs)
+        report(f"{what}, total update (relative L2)", (num / den) ** 0.5, 0.05)
         report(f"{what}, losses",
                max(abs(a - b) / abs(b) for a, b in zip(lt, lr_, strict=True)), 1e-3)
 

@@ -126,7 +126,12 @@ def check_lowp_state(rule: str, state: str, stochastic: bool, step: int, device:
     for k in names:
         if state == "8bit":
             s1, s2 = st1[k + ".scale"], st2[k + ".scale"]
-            assert ((s1 - s2).abs() <= 1e-6 * s1.abs()).all(), (k, "scales")
+            rel = ((s1 - s2).abs() / s1.abs()).max().item()
+            if rel > 1e-6:  # report what differs (on a GPU) rather than stop the remaining checks
+                i = int(((s1 - s2).abs() / s1.abs()).flatten().argmax())
+                print(f"FAIL {rule} {state} {k} scales differ: max rel {rel:.2e} at block {i}: "
+                      f"{s1.flatten()[i].item()!r} vs {s2.flatten()[i].item()!r}")
+                return 1.0
             # scales may differ in their last bit (the block's largest |m| does); count differing codes
             c1, c2 = (K._e4m3_to_float(c) for c in (st1[k], st2[k]))
             compare(c1, c2, 2**-3 * c1.abs() + 2**-9, k)

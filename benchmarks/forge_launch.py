@@ -1,0 +1,76 @@
+"""Host cost of one FORGE layer update on a GPU: how long the host spends launching the Triton weight step (and the
+optimizer's per-layer bookkeeping) against the device time it buys, next to torch's ``dW = dYᵀX`` + fused AdamW.
+
+    python -m benchmarks.forge_launch [--out 2048 --in 2048 --tokens 1024 --calls 200]
+
+A step of a small batch is host-bound when the host time per layer exceeds the device time per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def _time(fn, calls: int) -> tuple[float, float]:
+    """(host µs per call: the loop without waiting for the device, device-inclusive µs per call)."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - t
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t
+    return host / calls * 1e6, total / calls * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    from memgrad_hf.kernels import forge_triton
+    from memgrad_hf.optim.forge import ForgeAdamW
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.forge_launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=int, default=2048)
+    p.add_argument("--in", dest="in_f", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--calls", type=int, default=200)
+    a = p.parse_args(argv)
+    dev, bf = "cuda", torch.bfloat16
+    dy = torch.randn(a.tokens, a.out, device=dev, dtype=bf)
+    x = torch.randn(a.tokens, a.in_f, device=dev, dtype=bf)
+    w = torch.nn.Parameter(torch.randn(a.out, a.in_f, device=dev, dtype=bf) * 0.02)
+    hp = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    rows: list[tuple[str, float, float]] = []
+    for kind in (torch.float32, bf):
+        st = {"exp_avg": torch.zeros_like(w, dtype=kind), "exp_avg_sq": torch.zeros_like(w, dtype=kind)}
+        rows.append((f"Triton linear_weight_step only, {str(kind)[6:]} state", *_time(
+            lambda st=st: forge_triton.linear_weight_step("adamw", dy, x, w.data, st, hp, 5), a.calls)))
+    lin = torch.nn.Linear(a.in_f, a.out, bias=False, device=dev, dtype=bf)
+    opt = ForgeAdamW(lin.parameters(), model=lin, lr=1e-4)
+    opt._mode = "apply"
+    rows.append(("FORGE layer backward bookkeeping + kernel (bf16 state)", *_time(
+        lambda: opt._linear_weight_backward(lin.weight, dy, x), a.calls)))
+    ref = torch.nn.Parameter(w.detach().clone())
+    m, v = torch.zeros_like(ref), torch.zeros_like(ref)
+    steps = torch.tensor(5.0, device=dev)
+
+    def torch_step() -> None:
+        g = dy.t() @ x
+        torch._fused_adamw_([ref], [g], [m], [v], [], [steps], lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.0,
+                            eps=1e-8, amsgrad=False, maximize=False)
+
+    rows.append(("torch dW GEMM + fused AdamW (bf16 state)", *_time(torch_step, a.calls)))
+    print(f"# one {a.out}x{a.in_f} bf16 weight, {a.tokens} tokens, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}\n")
+    print("| what | host µs / call | host + device µs / call |\n|---|---:|---:|")
+    for name, host, total in rows:
+        print(f"| {name} | {host:.0f} | {total:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
