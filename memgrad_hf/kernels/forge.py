@@ -371,17 +371,27 @@ def update_step(
     offset: int = 0,
     exact_norm: bool = True,
     chunk_elems: int = 1 << 20,
+    sums: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Update ``p`` (a parameter, or a contiguous row block of one starting at element ``offset``) and its state from
     its gradient ``g`` scaled by ``coef``, unless ``g`` has a non-finite value; returns ``(Σ g², skipped)`` (the
-    norm before scaling). The torch twin of :func:`memgrad_hf.kernels.forge_triton.update_step`, which decides
-    finiteness per tile on the device instead of once here."""
+    norm before scaling; added into ``sums`` and returned if given). The torch twin of
+    :func:`memgrad_hf.kernels.forge_triton.update_step`, which decides finiteness per tile on the device instead of
+    once here."""
     g_sq = norm_sq(g, exact_norm)  # also the finiteness check (one pass)
-    if not bool(torch.isfinite(g_sq)):
-        return g_sq, torch.ones((), dtype=torch.int32, device=p.device)
-    apply_rule_chunked(rule, p, g, st, hp, step, coef=coef, chunk_elems=chunk_elems,
-                       stochastic_rounding=stochastic_rounding, seed=seed, offset=offset)
-    return g_sq, torch.zeros((), dtype=torch.int32, device=p.device)
+    finite = bool(torch.isfinite(g_sq))
+    if finite:
+        apply_rule_chunked(rule, p, g, st, hp, step, coef=coef, chunk_elems=chunk_elems,
+                           stochastic_rounding=stochastic_rounding, seed=seed, offset=offset)
+    return _add_into(sums, g_sq, torch.tensor(0 if finite else 1, dtype=torch.int32, device=p.device))
+
+
+def _add_into(sums: tuple[Tensor, Tensor] | None, norm: Tensor, bad: Tensor) -> tuple[Tensor, Tensor]:
+    if sums is None:
+        return norm, bad
+    sums[0].add_(norm.to(sums[0].dtype))
+    sums[1].add_(bad)
+    return sums
 
 
 # ---------------------------------------------------------------------------------------------- fused linear
@@ -429,9 +439,11 @@ def linear_weight_step(
     stochastic_rounding: bool = False,
     seed: int = 0,
     exact_norm: bool = True,
+    sums: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Update ``w`` and its state ``st`` in place with ``rule`` applied to ``dW = dyᵀ·x (+ acc)``, one row block at
-    a time; returns ``(Σ dW², tiles skipped)``. Tiles with a non-finite value are not applied (nor is their state).
+    a time; returns ``(Σ dW², tiles skipped)`` (added into ``sums`` and returned if given). Tiles with a non-finite
+    value are not applied (nor is their state).
 
     The torch twin of :func:`memgrad_hf.kernels.forge_triton.linear_weight_step` (same signature, plus
     ``exact_norm``: see :func:`norm_sq`)."""
@@ -447,4 +459,4 @@ def linear_weight_step(
             continue
         apply_rule(rule, w[r0:r1], tile, state_slice(st, names, r0, r1), hp, step,
                    stochastic_rounding=stochastic_rounding, seed=seed, offset=r0 * w.shape[1])
-    return norm, bad
+    return _add_into(sums, norm, bad)

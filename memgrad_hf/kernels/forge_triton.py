@@ -28,6 +28,10 @@ from memgrad_hf.kernels import forge as K
 # (block-scaled e4m3 codes, blocks of 64 along a row = one tile's row; the second moment kept as sqrt(v)).
 F32, BF16, Q8 = 0, 1, 2
 
+# Launch configuration of the fused weight-gradient kernel (64 output columns per tile = one 8-bit scale block);
+# module-level so that benchmarks.forge_launch can sweep it on a GPU.
+LINEAR_TILES = {"bm": 64, "bk_lowp": 64, "bk_fp32": 32, "num_warps": 4, "num_stages": 3}
+
 
 @triton.jit
 def _round_bf16(x):
@@ -126,7 +130,7 @@ def _forge_linear_kernel(
     dy_ptr, x_ptr, w_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, acc_ptr, norm_ptr, bad_ptr,
     N, OUT, IN, S_COLS,
     s_dyn, s_dyo, s_xn, s_xi, s_wo, s_wi,
-    lr, beta1, beta2, eps, wd, bc1, bc2_sqrt, key_w, key_v, coef, idx_off,
+    lr, beta1, beta2, omb1, omb2, eps, wd, bc1, bc2_sqrt, key_w, key_v, coef, idx_off,
     FROM_GRAD: tl.constexpr, HAS_ACC: tl.constexpr, RULE: tl.constexpr, LOWP: tl.constexpr,
     IS_BF16: tl.constexpr, W_BF16: tl.constexpr,
     M_KIND: tl.constexpr, V_KIND: tl.constexpr, W_SR: tl.constexpr, G_LOWP: tl.constexpr, ACC_LOWP: tl.constexpr,
@@ -134,7 +138,8 @@ def _forge_linear_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """RULE: 0 AdamW, 1 Lion, 2 SGD (beta1 = momentum, beta2 = dampening; HAS_M: a momentum buffer in m_ptr; FIRST:
-    the buffer's first step, which takes the direction as it is, as torch.optim.SGD does)."""
+    the buffer's first step, which takes the direction as it is, as torch.optim.SGD does). ``omb1``/``omb2``:
+    1 - beta1 / 1 - beta2 computed on the host in fp64, as torch.optim passes them (1 - fp32(0.99) is 1e-6 off)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -191,7 +196,7 @@ def _forge_linear_kernel(
                 if FIRST:
                     m = d
                 else:
-                    m = m * beta1 + (1.0 - beta2) * d
+                    m = m * beta1 + omb2 * d
                 if NESTEROV:
                     d = d + beta1 * m
                 else:
@@ -199,15 +204,15 @@ def _forge_linear_kernel(
             w = w - lr * d
         elif RULE == 1:  # Lion
             w = w * (1.0 - lr * wd)
-            c = m + (g - m) * (1.0 - beta1)
+            c = m + (g - m) * omb1
             u = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
             w = w - lr * u
-            m = m + (g - m) * (1.0 - beta2)
+            m = m + (g - m) * omb2
         else:  # AdamW
             w = w * (1.0 - lr * wd)
             v = _load_state(v_ptr, vs_ptr, soffs, srow, mask, rmask, V_KIND, True)
-            m = m + (g - m) * (1.0 - beta1)  # lerp, as torch's lerp_ (an FMA on CPU)
-            v = v * beta2 + (1.0 - beta2) * g * g
+            m = m + (g - m) * omb1  # lerp, as torch's lerp_ (an FMA on CPU)
+            v = v * beta2 + omb2 * g * g
             denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
             w = w + tl.div_rn(-(lr / bc1) * m, denom)
             _store_state(v_ptr, vs_ptr, soffs, srow, mask, v, rmask, key_v.to(tl.uint32, bitcast=True), idx,
@@ -230,11 +235,21 @@ def _rule_args(rule: str, hp: dict[str, Any], step: int) -> dict[str, Any]:
         raise ValueError(f"no Triton FORGE kernel for rule {rule!r}")
     if rule.startswith("sgd"):
         consts = dict(RULE=2, HAS_M=rule == "sgd_momentum", NESTEROV=bool(hp["nesterov"]), FIRST=step == 1)
-        return {"consts": consts, "scalars": (float(hp["momentum"]), float(hp["dampening"]), 0.0, 1.0, 1.0)}
-    b1, b2 = hp["betas"]
+        mom, damp = float(hp["momentum"]), float(hp["dampening"])
+        return {"consts": consts, "scalars": (mom, damp, 1.0 - mom, 1.0 - damp, 0.0, 1.0, 1.0)}
+    b1, b2 = (float(b) for b in hp["betas"])
     consts = dict(RULE=1 if rule == "lion" else 0, HAS_M=True, NESTEROV=False, FIRST=False)
-    return {"consts": consts, "scalars": (float(b1), float(b2), float(hp.get("eps", 0.0)), float(1 - b1**step),
+    return {"consts": consts, "scalars": (b1, b2, 1.0 - b1, 1.0 - b2, float(hp.get("eps", 0.0)), float(1 - b1**step),
                                           float((1 - b2**step) ** 0.5))}
+
+
+def _sums(sums: tuple[Tensor, Tensor] | None, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The (norm², skipped tiles) accumulators the kernel adds into atomically: the caller's, or fresh zeros."""
+    if sums is None:
+        return torch.zeros((), dtype=torch.float32, device=device), torch.zeros((), dtype=torch.int32, device=device)
+    if sums[0].dtype != torch.float32 or sums[1].dtype != torch.int32:
+        raise ValueError("the Triton FORGE kernels accumulate into fp32 (norm²) and int32 (skipped tiles) tensors")
+    return sums
 
 
 def _kind(t: Tensor) -> int:
@@ -259,10 +274,12 @@ def linear_weight_step(
     *,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    sums: tuple[Tensor, Tensor] | None = None,
     **_: Any,
 ) -> tuple[Tensor, Tensor]:
     """Same contract as the torch twin: update ``w`` and ``st`` in place from ``dW = dyᵀx (+ acc)``; returns
-    ``(Σ dW², number of tiles skipped for non-finite values)`` as device tensors. State in fp32, bf16 or 8-bit
+    ``(Σ dW², number of tiles skipped for non-finite values)`` as device tensors (``sums``, fp32 and int32, added
+    into and returned if given: no allocation per call). State in fp32, bf16 or 8-bit
     (``st`` then also holds ``<name>.scale``); bf16 weights rounded to nearest or, with ``stochastic_rounding``,
     stochastically with the twin's noise (a hash of ``seed`` and the element index)."""
     ra = _rule_args(rule, hp, step)
@@ -274,17 +291,16 @@ def linear_weight_step(
     if not (w.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
         raise ValueError("the Triton FORGE kernel takes contiguous weights and optimizer state")
     m_kind, v_kind = _kind(m), _kind(v)
-    norm = torch.zeros((), dtype=torch.float32, device=w.device)
-    bad = torch.zeros((), dtype=torch.int32, device=w.device)
+    norm, bad = _sums(sums, w.device)
     lowp = dy.dtype in (torch.bfloat16, torch.float16) and x.dtype == dy.dtype
     # 64x64 tiles: a few thousand programs for an LLM's projections, and the epilogue's weight + state tiles
     # stay in registers; K steps of 64 for tensor-core dots, 32 for the register-heavier fp32 ones. 64 columns are
     # also one 8-bit scale block (K.Q_BLOCK), so a tile's row owns its block's scale.
-    bm, bn, bk = 64, 64, 64 if lowp else 32
-    assert bn == K.Q_BLOCK
+    cfg = LINEAR_TILES
+    bm, bn, bk = cfg["bm"], K.Q_BLOCK, cfg["bk_lowp"] if lowp else cfg["bk_fp32"]
     seeds = K.rounding_seeds(seed, names)
     m_scale = st.get(names[0] + ".scale", w) if names else w  # w: a placeholder pointer where no scales exist
-    b1, b2, eps, bc1, bc2_sqrt = ra["scalars"]
+    b1, b2, omb1, omb2, eps, bc1, bc2_sqrt = ra["scalars"]
     grid = (triton.cdiv(out_f, bm), triton.cdiv(in_f, bn))
     _forge_linear_kernel[grid](
         dy, x, w, *(t.view(torch.uint8) if t.dtype == K.Q_DTYPE else t for t in (m, v)),  # codes as bytes
@@ -292,7 +308,7 @@ def linear_weight_step(
         acc if acc is not None else w, norm, bad,
         n, out_f, in_f, triton.cdiv(in_f, K.Q_BLOCK),
         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-        float(hp["lr"]), b1, b2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt,
+        float(hp["lr"]), b1, b2, omb1, omb2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt,
         K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[(names or ("p",))[-1]])), 1.0, 0,
         FROM_GRAD=False, HAS_ACC=acc is not None, LOWP=lowp, IS_BF16=dy.dtype == torch.bfloat16, **ra["consts"],
         W_BF16=w.dtype == torch.bfloat16, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding), G_LOWP=0,
@@ -300,7 +316,7 @@ def linear_weight_step(
         BM=bm, BN=bn, BK=bk,
         # the interpreter's dot misreads bf16 operands; upcast there (exact products, the same fp32 sums)
         TENSOR_CORES=lowp and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=4, num_stages=3,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return norm, bad
 
@@ -317,6 +333,7 @@ def update_step(
     stochastic_rounding: bool = False,
     seed: int = 0,
     offset: int = 0,
+    sums: tuple[Tensor, Tensor] | None = None,
     **_: Any,
 ) -> tuple[Tensor, Tensor]:
     """The update of any parameter (or contiguous row block of one) from its given gradient ``g``, in one kernel and
@@ -333,21 +350,20 @@ def update_step(
     v = as2d(st["exp_avg_sq"]) if "exp_avg_sq" in st else m
     scale = {k: st[k + ".scale"] for k in names if k + ".scale" in st}
     out_f, in_f = p2.shape
-    norm = torch.zeros((), dtype=torch.float32, device=p.device)
-    bad = torch.zeros((), dtype=torch.int32, device=p.device)
+    norm, bad = _sums(sums, p.device)
     seeds = K.rounding_seeds(seed, names)
     bm, bn = (64, 64) if out_f > 1 else (1, 1024)  # a 1-row tensor (a norm's gain): wide tiles, no masked rows
     if scale:
         bm, bn = 64, K.Q_BLOCK  # 8-bit state: a tile's row is one scale block
     grid = (triton.cdiv(out_f, bm), triton.cdiv(in_f, bn))
     m_scale = scale.get(names[0], p2) if names else p2
-    b1, b2, eps, bc1, bc2_sqrt = ra["scalars"]
+    b1, b2, omb1, omb2, eps, bc1, bc2_sqrt = ra["scalars"]
     _forge_linear_kernel[grid](
         g2, g2, p2, *(t.view(torch.uint8) if t.dtype == K.Q_DTYPE else t for t in (m, v)),
         m_scale, scale.get("exp_avg_sq", m_scale), g2, norm, bad,
         0, out_f, in_f, triton.cdiv(in_f, K.Q_BLOCK),
         0, 0, 0, 0, p2.stride(0), p2.stride(1),
-        float(hp["lr"]), b1, b2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt,
+        float(hp["lr"]), b1, b2, omb1, omb2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt,
         K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[(names or ("p",))[-1]])), float(coef),
         K._as_int32(offset),
         FROM_GRAD=True, HAS_ACC=True, LOWP=False, IS_BF16=False, **ra["consts"],

@@ -117,8 +117,9 @@ class ForgeOptimizer(Optimizer):
         self._stash: dict[Tensor, Tensor] = {}  # accumulated gradients, set aside during the norm pass
         self._stash_counted: set[Tensor] = set()
         self._nonfinite_seen = False
-        self._bad_tiles: Tensor | int = 0  # skipped fused tiles, summed on the device (read once, in step())
-        self._norm_sq_now: Tensor | float = 0.0
+        # per device: (Σ g² of this step's updates, skipped tiles), summed in place on the device by every update
+        # and read once, in step(); kept across steps (zeroed there) so that a layer's update allocates nothing
+        self._step_sums: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self._group_index = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_index_pos = {p: k for k, p in enumerate(self._group_index)}
         counts: dict[int, int] = {}
@@ -293,12 +294,20 @@ class ForgeOptimizer(Optimizer):
         its norm is logged, a non-finite ``g`` is skipped and counted (on a GPU, per tile, without a host sync)."""
         impl = self._update_impl(target, g)
         with torch.no_grad():
-            g_sq, bad = impl(self.rule, target, g, st, hp, step, coef=coef, seed=seed, offset=offset,
-                             stochastic_rounding=self.stochastic_rounding, exact_norm=self._exact_norm,
-                             chunk_elems=max(self._tile_bytes(p) // 4, 1))
-        if self.max_grad_norm <= 0 or self.clip == "previous":  # the norm is logged (and used next step)
-            self._norm_sq_now = self._norm_sq_now + g_sq.double()
-        self._bad_tiles = self._bad_tiles + bad
+            impl(self.rule, target, g, st, hp, step, coef=coef, seed=seed, offset=offset,
+                 stochastic_rounding=self.stochastic_rounding, exact_norm=self._exact_norm,
+                 chunk_elems=max(self._tile_bytes(p) // 4, 1), sums=self._sums(target.device))
+
+    def _sums(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """This step's (Σ g², skipped tiles) accumulators on ``device`` (fp32 on a GPU, where the kernels add into
+        them atomically; fp64 elsewhere). Σ g² is logged as the gradient norm (and clips the next step with
+        clip='previous'); with exact clipping the norm pass measures the norm instead."""
+        sums = self._step_sums.get(device)
+        if sums is None:
+            fp = torch.float32 if backend(device) == "triton" else torch.float64
+            sums = (torch.zeros((), dtype=fp, device=device), torch.zeros((), dtype=torch.int32, device=device))
+            self._step_sums[device] = sums
+        return sums
 
     def _update_impl(self, target: Tensor, g: Tensor):
         """One Triton kernel per update on CUDA (no host sync, no temporaries), else the torch twin (which also
@@ -343,15 +352,16 @@ class ForgeOptimizer(Optimizer):
         seed = (self._group_index_pos[weight] * 1_000_003 + step * 1_009) & 0x7FFFFFFF
         impl = self._weight_step_impl(weight)
         extra = {"exact_norm": self._exact_norm} if impl is K.linear_weight_step else {}
+        sums = self._sums(weight.device)
         with torch.no_grad():
             norm_sq, bad = impl(
                 self.rule, dy, x, weight.data, {k: v for k, v in st.items() if k != "step"}, hp, step, acc,
-                rows_per_tile=rows,
-                stochastic_rounding=self.stochastic_rounding, seed=seed, **extra,
+                rows_per_tile=rows, stochastic_rounding=self.stochastic_rounding, seed=seed,
+                sums=sums if coef == 1.0 else None, **extra,
             )
-        if self.max_grad_norm <= 0 or self.clip == "previous":
-            self._norm_sq_now = self._norm_sq_now + norm_sq.double() / (coef * coef)
-        self._bad_tiles = self._bad_tiles + bad  # no host sync per layer: step() reads the sum
+        if coef != 1.0:  # the clipped dY gave the clipped norm: log the unclipped one
+            sums[0].add_(norm_sq.to(sums[0].dtype) / (coef * coef))
+            sums[1].add_(bad)
 
     # Row blocks of a weight gradient pushed to the optimizer one at a time (embedding, chunked LM head).
 
@@ -461,14 +471,15 @@ class ForgeOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        now, bad = 0.0, 0
+        for norm_sq, skipped in self._step_sums.values():  # one host read per device and step
+            now, bad = now + float(norm_sq), bad + int(skipped)
+            norm_sq.zero_(), skipped.zero_()
         if self.max_grad_norm <= 0 or self.clip == "previous":
-            now = float(self._norm_sq_now)
             self.last_grad_norm = math.sqrt(now) if math.isfinite(now) else float("nan")
             self._prev_norm = self.last_grad_norm
-            self._norm_sq_now = 0.0
-        if bool(self._bad_tiles):
+        if bad:
             self._nonfinite_seen = True
-        self._bad_tiles = 0
         if self._nonfinite_seen:
             self.skipped_steps += 1
             log.warning("forge: non-finite gradients were not applied (tensors skipped; %d steps affected so far)",
