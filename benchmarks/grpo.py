@@ -3,8 +3,8 @@
 Per-token log-probs and entropies of ``completions x length`` tokens at Qwen2.5's vocabulary (151936, hidden 896),
 then a policy-gradient loss ``-(logp · advantage).mean()`` backward. Peers: full logits (``log_softmax`` + gather,
 what TRL < 1.15 did), TRL 1.16's fused head (``ChunkedLogProbFunction``; on CPU its torch fallback), memgrad
-(``memgrad_hf.functional.linear_logprobs``) and, on GPU, memgrad with its opt-in Triton head kernels
-(``MEMGRAD_BACKEND=triton``). Peak memory per configuration in a fresh process; time round-robin.
+(``memgrad_hf.functional.linear_logprobs``; its Triton head kernels on GPU) and, on GPU, memgrad on its torch
+path (``memgrad_torch``: ``MEMGRAD_BACKEND=torch``). Peak memory per configuration in a fresh process; time round-robin.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 
 from benchmarks.harness import Case, machine, peak_added_mib, profile_once, time_interleaved, versions
 
-PEERS = ("full_logits", "trl", "memgrad", "memgrad_triton")
+PEERS = ("full_logits", "trl", "memgrad", "memgrad_torch")
 
 
 def setup(device: str, impl: str, n: int, d: int, v: int, dtype: str) -> dict:
-    if impl == "memgrad_triton" and not device.startswith("cuda"):
-        raise RuntimeError("not run on CPU (Triton kernels; the interpreter is orders of magnitude too slow)")
+    if impl == "memgrad_torch" and not device.startswith("cuda"):
+        raise RuntimeError("GPU only (on CPU the torch path is memgrad's default)")
     dt = getattr(torch, dtype)
     g = torch.Generator().manual_seed(0)
     h = (torch.randn(n, d, generator=g) * 0.5).to(device=device, dtype=dt).requires_grad_()
@@ -49,14 +49,14 @@ def _logp_entropy(impl: str, h, w, y):
 
 def run(s: dict) -> None:
     s["h"].grad = s["w"].grad = None
-    if s["impl"] == "memgrad_triton":  # forward and backward both dispatch on MEMGRAD_BACKEND
-        os.environ["MEMGRAD_BACKEND"] = "triton"
+    if s["impl"] == "memgrad_torch":  # forward and backward both dispatch on MEMGRAD_BACKEND
+        os.environ["MEMGRAD_BACKEND"] = "torch"
     try:
         logp, ent = _logp_entropy(s["impl"], s["h"], s["w"], s["y"])
         loss = -(logp * s["adv"]).mean()
         loss.backward()
     finally:
-        if s["impl"] == "memgrad_triton":
+        if s["impl"] == "memgrad_torch":
             os.environ.pop("MEMGRAD_BACKEND", None)
     float(ent.detach().mean())  # entropy is logged by GRPOTrainer, not differentiated
 

@@ -3,8 +3,8 @@
 Peers: HF stock (``lm_head`` logits + ``ForCausalLMLoss``), PyTorch's chunked ``F.linear_cross_entropy``
 (``LinearCrossEntropyOptions()``), TRL's fused head (``ChunkedLogProbFunction``, the loss as ``-mean(logp)``),
 Liger's fused linear cross-entropy (GPU only: on CPU it needs the Triton interpreter, which takes far too long
-at these sizes), memgrad (``memgrad_hf.functional.linear_cross_entropy``) and, on GPU, memgrad with its opt-in
-Triton head kernel (``MEMGRAD_BACKEND=triton``).
+at these sizes), memgrad (``memgrad_hf.functional.linear_cross_entropy``; its Triton head on GPU) and, on GPU,
+memgrad on its torch path (``memgrad_torch``: ``MEMGRAD_BACKEND=torch``).
 
 Peak memory: one fresh process per configuration, peak over what the inputs (hidden, weight, labels) occupy;
 it includes the gradients every peer must return (dX and dW). Time: round-robin in this process.
@@ -20,12 +20,14 @@ import torch
 
 from benchmarks.harness import Case, machine, peak_added_mib, profile_once, time_interleaved, versions
 
-PEERS = ("hf", "torch_lce", "trl", "liger", "memgrad", "memgrad_triton")
+PEERS = ("hf", "torch_lce", "trl", "liger", "memgrad", "memgrad_torch")
 
 
 def setup(device: str, impl: str, n: int, d: int, v: int, dtype: str) -> dict:
-    if impl in ("liger", "memgrad_triton") and not device.startswith("cuda"):
+    if impl == "liger" and not device.startswith("cuda"):
         raise RuntimeError("not run on CPU (Triton kernel; the interpreter is orders of magnitude too slow)")
+    if impl == "memgrad_torch" and not device.startswith("cuda"):
+        raise RuntimeError("GPU only (on CPU the torch path is memgrad's default)")
     dt = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     h = (torch.randn(n, d, generator=g) * 0.5).to(device=device, dtype=dt).requires_grad_()
@@ -56,17 +58,17 @@ def _impl(name: str):
         from memgrad_hf.functional import linear_cross_entropy
 
         return lambda h, w, y: linear_cross_entropy(h, w, y)
-    if name == "memgrad_triton":  # the opt-in Triton head kernel (MEMGRAD_BACKEND=triton)
+    if name == "memgrad_torch":  # the torch path on a GPU (MEMGRAD_BACKEND=torch)
         from memgrad_hf.functional import linear_cross_entropy
 
-        def triton_head(h, w, y):
-            os.environ["MEMGRAD_BACKEND"] = "triton"
+        def torch_head(h, w, y):
+            os.environ["MEMGRAD_BACKEND"] = "torch"
             try:
-                return linear_cross_entropy(h, w, y)  # the gradients are computed here, in the forward pass
+                return linear_cross_entropy(h, w, y)
             finally:
                 os.environ.pop("MEMGRAD_BACKEND", None)
 
-        return triton_head
+        return torch_head
     raise ValueError(f"unknown peer {name!r}; choose from {PEERS}")
 
 

@@ -166,7 +166,7 @@ def check_forge_low_precision_trainer() -> None:
 
 
 def check_triton_head() -> None:
-    """The opt-in Triton head kernels (MEMGRAD_BACKEND=triton) end to end: loss, log-probs, entropies and gradients
+    """The Triton head kernels (the default on CUDA) end to end: loss, log-probs, entropies and gradients
     against the torch path on the same GPU."""
     from memgrad_hf.functional import linear_cross_entropy, linear_logprobs
 

@@ -39,12 +39,14 @@ def triton_available() -> bool:
 def head_impl(device: torch.device | str | None = None):
     """The module implementing the chunked-head ops for tensors on ``device``.
 
-    The torch path (:mod:`memgrad_hf.kernels.head`: cuBLAS / MKL GEMMs plus fused element-wise torch ops) by default
-    on every device; ``MEMGRAD_BACKEND=triton`` selects :mod:`memgrad_hf.kernels.head_triton` (its fused
-    cross-entropy runs a Triton row kernel between the GEMMs; the other schedules are the torch path's). Opt-in until
-    measured on a GPU; on CPU tensors it needs ``TRITON_INTERPRET=1`` (slow; for tests).
+    On a GPU :mod:`memgrad_hf.kernels.head_triton` (Triton row kernels between cuBLAS GEMMs); elsewhere, or with
+    ``MEMGRAD_BACKEND=torch``, the torch path :mod:`memgrad_hf.kernels.head` (GEMMs plus element-wise torch ops).
+    Measured on an H100 (benchmarks/RESULTS.md, 2026-11-23): the Triton head is 2.0-2.7x faster than the torch path
+    and 0.84-0.87x Liger's time; with bf16 weights its fused cross-entropy keeps an fp32 weight-gradient buffer
+    (0.5 GiB at 128K x 1024), where the torch path walks the vocabulary in blocks. ``MEMGRAD_BACKEND=triton`` on CPU
+    tensors needs ``TRITON_INTERPRET=1`` (slow; for tests).
     """
-    if backend(device) == "triton" and os.environ.get("MEMGRAD_BACKEND", "").strip().lower() == "triton":
+    if backend(device) == "triton":
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(

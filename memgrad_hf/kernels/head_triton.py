@@ -13,8 +13,8 @@ accumulator walk the vocabulary in blocks, as the torch path does, so no fp32 ``
 diagnostics ``Σp²`` / target-is-top-1 and the FORGE block consumer (:func:`head_backward_vocab_blocks`) are the
 torch path's, re-exported so that this module serves :func:`memgrad_hf.kernels.head_impl` whole.
 
-Tested against the torch twin under ``TRITON_INTERPRET=1`` (``tests/_head_triton_check.py``); on a GPU it is
-opt-in (``MEMGRAD_BACKEND=triton``) until measured there.
+Tested against the torch twin under ``TRITON_INTERPRET=1`` (``tests/_head_triton_check.py``) and compiled on an
+H100; the default on CUDA (``MEMGRAD_BACKEND=torch`` selects the torch path), measured 2.0-2.7x faster than it.
 """
 
 from __future__ import annotations
