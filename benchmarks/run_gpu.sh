@@ -40,7 +40,8 @@ for part in $parts; do
         --seq 1024 --steps 4 --repeats 1 --profile --configs adamw_torch_fused forge_lion forge_adamw+bf16_state \
         2>&1 | tee "$out/forge-profile.md" ;;
     forge-host)  # host time per FORGE layer vs device time, and a cProfile of one step (is a step host-bound?)
-      { python -m benchmarks.forge_launch
+      { python -m benchmarks.forge_launch --sweep
+        python -m benchmarks.forge_launch --out 256 --in 256 --tokens 64  # device time ~nil: the host cost alone
         python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
           --seq 1024 --steps 4 --repeats 1 --host-profile --configs adamw_torch_fused forge_lion; } 2>&1 \
         | tee "$out/forge-host.md" ;;

@@ -8,22 +8,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from memgrad_hf.optim.fused_linear import ForgeEmbeddingFunction, ForgeLinearFunction
+
 _ATTR = "_memgrad_forge"
 
 
 def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    from memgrad_hf.optim.fused_linear import ForgeLinearFunction
-
-    opt = getattr(self, _ATTR)
+    # runs once per layer and step: on a GPU at small batch the host's time per layer is the step's time
     dev = x.device.type
-    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-    with torch.autocast(dev, enabled=False):  # the Function casts itself; autocast would hand it a weight copy
-        return ForgeLinearFunction.apply(x, self.weight, self.bias, opt, dt)
+    if torch.is_autocast_enabled(dev):
+        with torch.autocast(dev, enabled=False):  # the Function casts itself; autocast would hand it a weight copy
+            return ForgeLinearFunction.apply(x, self.weight, self.bias, getattr(self, _ATTR),
+                                             torch.get_autocast_dtype(dev))
+    return ForgeLinearFunction.apply(x, self.weight, self.bias, getattr(self, _ATTR), None)
 
 
 def _forge_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    from memgrad_hf.optim.fused_linear import ForgeEmbeddingFunction
-
     return ForgeEmbeddingFunction.apply(ids, self.weight, self.padding_idx, getattr(self, _ATTR))
 
 

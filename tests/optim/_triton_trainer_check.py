@@ -36,6 +36,24 @@ def main() -> int:
     err = max(((p - q).abs().max() / q.abs().max()).item() for p, q in pairs)
     print(f"kernel calls {calls}; losses {la} vs {lb}; grad norms {ga} vs {gb}; max relative weight error {err:.2e}")
     ok = all(calls.values()) and err < 1e-5 and max(abs(a - b) / b for a, b in zip(la, lb, strict=True)) < 1e-5
+    # what a GPU user gets by default: the chunked head on its Triton kernels handing the head weight's gradient to
+    # FORGE in vocabulary blocks, against the unpatched model under adamw_torch
+    from memgrad_hf.kernels import head_triton as H
+
+    stats_calls = []
+    original_stats = H.head_stats
+    H.head_stats = lambda *a, **k: stats_calls.append(1) or original_stats(*a, **k)
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    memgrad_hf.patch_model(model, chunk_size=5)  # several chunks (and a partial one) of the 2 x 16 tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        _, la, _ = _train(model, _args(Path(tmp) / "f", "forge_adamw", max_grad_norm=0.05))
+        _, lb, _ = _train(ref, _args(Path(tmp) / "r", "adamw_torch", max_grad_norm=0.05))
+    pairs = zip(model.parameters(), ref.parameters(), strict=True)
+    err_head = max(((p - q).abs().max() / q.abs().max()).item() for p, q in pairs)
+    print(f"patch_model + forge_adamw (Triton head and updates): {len(stats_calls)} Triton head_stats calls; "
+          f"losses {la} vs {lb}; max relative weight error {err_head:.2e}")
+    ok &= len(stats_calls) > 0 and err_head < 1e-5 and max(abs(a - b) / b for a, b in zip(la, lb, strict=True)) < 1e-5
     return 0 if ok else 1
 
 
