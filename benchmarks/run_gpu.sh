@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
 #   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
-#   [evaluate] [head-profile] [forge-host]   (default: all but evaluate, head-profile and forge-host)
+#   [evaluate] [head-profile] [forge-host] [forge-7b]   (default: all but the last four)
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
-# (2026-11-22): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~2 (five configs; ~5.5 with nine; now eight), titans (kernel
-# table, four shapes) ~4, titans-layer (vs titans-pytorch) not yet seen: plan device calls of <= 10 min around them.
+# (2026-11-22/23): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~5 (nine configs), forge-profile ~2, head-profile
+# > 3 (its GRPO half did not finish in a 90 s limit), titans (kernel table, four shapes) ~4; titans-layer
+# (vs titans-pytorch) and forge-7b not yet seen: plan device calls of <= 10 min around them.
 set -u
 out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [checks titans titans-layer head grpo forge forge-profile]}
 shift
@@ -39,6 +40,11 @@ for part in $parts; do
       python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
         --seq 1024 --steps 4 --repeats 1 --profile --configs adamw_torch_fused forge_lion forge_adamw+bf16_state \
         2>&1 | tee "$out/forge-profile.md" ;;
+    forge-7b)  # Llama-2-7B-shaped (6.7B params, bf16), batch 1 x 1024: the scale of the FORGE paper's claims, where
+      # a step is device-bound (the 941M model above is host-bound at batch 1); not yet run
+      python -m benchmarks.forge --device cuda --bf16 --hidden 4096 --layers 32 --vocab 32000 --batch 1 \
+        --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion forge_adamw+bf16_state \
+        forge_adamw+8bit_state+head 2>&1 | tee "$out/forge-7b.md" ;;
     forge-host)  # host time per FORGE layer vs device time, and a cProfile of one step (is a step host-bound?)
       { python -m benchmarks.forge_launch --sweep
         python -m benchmarks.forge_launch --out 256 --in 256 --tokens 64  # device time ~nil: the host cost alone
