@@ -29,7 +29,7 @@ for part in $parts; do
     head-profile)  # where the head's time goes on the GPU, per peer (top kernels by device time, host syncs)
       { python -m benchmarks.head --device cuda --vocab 32768 --repeats 3 --profile --peers trl liger memgrad \
           memgrad_torch
-        python -m benchmarks.grpo --device cuda --repeats 3 --profile --peers trl memgrad memgrad_torch; } 2>&1 \
+        python -m benchmarks.grpo --device cuda --repeats 3 --profile --peers trl memgrad; } 2>&1 \
         | tee "$out/head-profile.md" ;;
     forge)  # ~1B Llama-style model, bf16 weights, batch 1 x 1024 tokens
       python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
