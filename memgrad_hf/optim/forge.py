@@ -299,8 +299,8 @@ class ForgeOptimizer(Optimizer):
                  chunk_elems=max(self._tile_bytes(p) // 4, 1), sums=self._sums(target.device))
 
     def _sums(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """This step's (Σ g², skipped tiles) accumulators on ``device`` (fp32 on a GPU, where the kernels add into
-        them atomically; fp64 elsewhere). Σ g² is logged as the gradient norm (and clips the next step with
+        """This step's (Σ g², skipped tiles) accumulators on ``device`` (fp32 where the Triton kernels add into them
+        atomically; fp64 for the torch path). Σ g² is logged as the gradient norm (and clips the next step with
         clip='previous'); with exact clipping the norm pass measures the norm instead."""
         sums = self._step_sums.get(device)
         if sums is None:
