@@ -7,7 +7,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 import memgrad_hf  # noqa: F401  (registers forge_*)
-from memgrad_hf.optim import ForgeAdamW
+from memgrad_hf.optim import ForgeAdamW, ForgeSGD
 from tests.test_trainer_integration import _data
 from tests.tiny_models import tiny_model
 
@@ -253,3 +253,41 @@ def test_forge_trains_titans_injected_model_like_adamw_torch(tmp_path):
 def test_forge_with_trainer_torch_compile_equals_adamw_torch(tmp_path):
     (la, _), (lb, _) = _forge_vs_adamw(tmp_path, tiny_model("llama"), torch_compile=True)
     assert la == pytest.approx(lb, rel=1e-5)
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["adamw", "sgd_chunked_head"])
+def test_clip_previous_scales_by_the_previous_steps_norm(patched):
+    """clip='previous': step t is clipped with step t-1's gradient norm (step 1 unclipped), and the norm logged at
+    step t is step t's own, unclipped. Reference: torch.optim on explicitly scaled gradients; a small max_grad_norm
+    makes every step after the first clip. With the chunked head its weight gradient takes the block path, whose
+    norm is corrected for the clipping; SGD there, which (unlike Adam) shows any error in the gradient's scale, and
+    is not thrown off where a gradient element is ~eps (Adam turns the head's fp32 summation-order differences of
+    ~1e-9 there into 2e-3 of a weight)."""
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    kw = dict(max_grad_norm=0.05, clip="previous")
+    if patched:
+        memgrad_hf.patch_model(model, chunk_size=5)
+        memgrad_hf.patch_model(ref, chunk_size=5)
+        opt = ForgeSGD(model.parameters(), model=model, lr=0.5, momentum=0.9, **kw)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    else:
+        opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, weight_decay=0.1, **kw)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ids = torch.randint(1, 100, (2, 8))
+    prev = None
+    for step in range(4):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in ref.parameters()])).item()
+        coef = 1.0 if prev is None else min(1.0, 0.05 / (prev + 1e-6))
+        if step > 0:
+            assert coef < 0.5  # the test clips
+        for p in ref.parameters():
+            p.grad.mul_(coef)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert opt.last_grad_norm == pytest.approx(norm, rel=1e-5), step
+        prev = norm
+    _assert_weights_close(model, ref)
