@@ -107,6 +107,10 @@ if __name__ == "__main__":
     err = end_to_end(dev)
     worst = max(worst, err)
     print(f"linear_cross_entropy + linear_logprobs, MEMGRAD_BACKEND=triton vs torch: max rel err {err:.2e}")
+    from memgrad_hf import kernels
+
+    kernels._smoke_head_triton(dev)  # what decides, once per process, whether the default Triton head is used
+    print("default-head smoke test: passed")
     ok = worst < 1e-5
     if dev != "cpu":  # bf16: both round logits and dL/du to bf16 (in other orders): a bf16-level tolerance
         err = case(dev, torch.bfloat16, n=512, h=256, v=32768, chunk=256, eps=0.1)

@@ -7,9 +7,12 @@ twin with the same signature. :func:`backend` picks Triton for CUDA tensors and 
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _BACKENDS = ("torch", "triton")
 
@@ -19,7 +22,7 @@ def backend(device: torch.device | str | None = None) -> str:
 
     ``MEMGRAD_BACKEND`` overrides the choice (``triton`` on CPU needs ``TRITON_INTERPRET=1``).
     """
-    forced = os.environ.get("MEMGRAD_BACKEND", "").strip().lower()
+    forced = _forced()
     if forced:
         if forced not in _BACKENDS:
             raise ValueError(f"MEMGRAD_BACKEND={forced!r} is not one of {_BACKENDS}; unset it or pick one.")
@@ -46,7 +49,7 @@ def head_impl(device: torch.device | str | None = None):
     (0.5 GiB at 128K x 1024), where the torch path walks the vocabulary in blocks. ``MEMGRAD_BACKEND=triton`` on CPU
     tensors needs ``TRITON_INTERPRET=1`` (slow; for tests).
     """
-    if backend(device) == "triton":
+    if backend(device) == "triton" and (_forced() == "triton" or _head_triton_runs(device)):
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
@@ -61,6 +64,46 @@ def head_impl(device: torch.device | str | None = None):
     return head
 
 
+def _forced() -> str:
+    return os.environ.get("MEMGRAD_BACKEND", "").strip().lower()
+
+
+_HEAD_TRITON_RUNS: dict[str, bool] = {}
+
+
+def _head_triton_runs(device: torch.device | str | None) -> bool:
+    """Whether the Triton head compiles and runs on ``device``'s kind, tried once per process on a 4 x 64 problem
+    (the default, unlike ``MEMGRAD_BACKEND=triton``, must not stop training where Triton cannot build for this GPU
+    or driver): if not, a warning names the error once and the torch path serves every call."""
+    kind = torch.device(device).type if device is not None else "cpu"
+    if kind not in _HEAD_TRITON_RUNS:
+        try:
+            with torch.no_grad(), torch.autocast(kind, enabled=False):  # whatever context the first call is in
+                _smoke_head_triton(kind)
+            _HEAD_TRITON_RUNS[kind] = True
+        except Exception as e:  # any failure to build or launch: fall back, say why
+            _HEAD_TRITON_RUNS[kind] = False
+            log.warning("memgrad_hf: the Triton head kernels do not run on this %s (%s: %s); the torch head path is "
+                        "used instead (same results, slower). MEMGRAD_BACKEND=torch skips this check.", kind,
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    return _HEAD_TRITON_RUNS[kind]
+
+
+def _smoke_head_triton(kind: str) -> None:
+    from memgrad_hf.kernels import head_triton
+    from memgrad_hf.kernels.head import Epilogue
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(4, 16, generator=g).to(kind), torch.randn(64, 16, generator=g).to(kind)
+    y = torch.tensor([0, 5, 63, 7], device=kind)
+    tw = torch.full((4,), 0.25, device=kind)
+    loss = head_triton.fused_cross_entropy(h, w, None, y, Epilogue(), tw, chunk_size=4, need_dx=True, need_dw=True,
+                                           need_db=False)[0]
+    ref = torch.nn.functional.cross_entropy(h @ w.t(), y)
+    if not torch.allclose(loss, ref, rtol=1e-4, atol=1e-5):
+        raise RuntimeError(f"smoke test: Triton loss {loss.item()} != {ref.item()}")
+
+
 def titans_step_impl(device: torch.device | str | None = None):
     """The Titans ``memory_step`` for tensors on ``device``: the torch manual kernel
     (:func:`memgrad_hf.kernels.titans.memory_step`) on every device, unless ``MEMGRAD_BACKEND=triton`` asks for the
@@ -70,7 +113,7 @@ def titans_step_impl(device: torch.device | str | None = None):
     than the torch kernel's batched cuBLAS GEMMs at D=64 and 2.2x slower at D=128, so it is opt-in. Both have the
     same signature and return values. Imported lazily so CPU-only installs never import Triton.
     """
-    if backend(device) == "triton" and os.environ.get("MEMGRAD_BACKEND", "").strip().lower() == "triton":
+    if backend(device) == "triton" and _forced() == "triton":
         from memgrad_hf.kernels.titans_triton import memory_step
     else:
         from memgrad_hf.kernels.titans import memory_step
