@@ -104,9 +104,9 @@ def check_forge_trainer() -> None:
             t = Trainer(model=m, args=args, train_dataset=_data())
             t.train()
             losses[name] = [h["loss"] for h in t.state.log_history if "loss" in h]
-    from memgrad_hf.kernels import backend
+    from memgrad_hf.kernels import default_backend
 
-    print(f"  (FORGE backend on {DEV}: {backend(torch.device(DEV))})")
+    print(f"  (FORGE backend on {DEV}: {default_backend('forge', torch.device(DEV))})")
     err = max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
     report("forge_adamw in Trainer (clipping 1.0) vs adamw_torch: weights after 4 steps", err, 1e-5)
     lerr = max(abs(a - b) / abs(b) for a, b in zip(losses["forge_adamw"], losses["adamw_torch"], strict=True))

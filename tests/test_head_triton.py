@@ -1,4 +1,5 @@
-"""The Triton head kernel (kernels/head_triton.py) against its torch twin, under the Triton interpreter."""
+"""The Triton head kernel (kernels/head_triton.py) against its torch twin, under the Triton interpreter; how the
+Triton defaults (head, FORGE) are chosen on a GPU and fall back where Triton cannot run."""
 
 import os
 import subprocess
@@ -26,7 +27,7 @@ def test_head_backend_dispatch(monkeypatch):
     from memgrad_hf.kernels import head, head_triton
 
     monkeypatch.delenv("MEMGRAD_BACKEND", raising=False)
-    monkeypatch.setattr(kernels, "_HEAD_TRITON_RUNS", {"cuda": True})  # as on a GPU where the smoke test passed
+    monkeypatch.setattr(kernels, "_TRITON_RUNS", {("head", "cuda"): True})  # as on a GPU where the smoke test passed
     # the Triton head on CUDA (measured faster there), the torch path elsewhere
     assert kernels.head_impl("cpu") is head and kernels.head_impl("cuda") is head_triton
     monkeypatch.setenv("MEMGRAD_BACKEND", "torch")
@@ -36,31 +37,42 @@ def test_head_backend_dispatch(monkeypatch):
     assert kernels.head_impl("cpu") is head_triton and kernels.head_impl("cuda") is head_triton
 
 
-def test_head_falls_back_to_torch_where_triton_cannot_run(monkeypatch, caplog):
-    """The default Triton head is tried once per process; where it fails to build or run (here: no CUDA device at
-    all), one warning says so and the torch path serves every call. A forced MEMGRAD_BACKEND=triton is not
-    second-guessed."""
+@pytest.mark.parametrize("family", ["head", "forge"])
+def test_triton_defaults_fall_back_to_torch_where_triton_cannot_run(monkeypatch, caplog, family):
+    """The default Triton kernels of a family are tried once per process; where they fail to build or run (here: no
+    CUDA device at all), one warning says so and the torch path serves every call. A forced MEMGRAD_BACKEND=triton
+    is not second-guessed."""
     from memgrad_hf import kernels
-    from memgrad_hf.kernels import head
+    from memgrad_hf.kernels import head, head_triton
 
     monkeypatch.delenv("MEMGRAD_BACKEND", raising=False)
-    monkeypatch.setattr(kernels, "_HEAD_TRITON_RUNS", {})
+    monkeypatch.setattr(kernels, "_TRITON_RUNS", {})
     tried = []
-    real = kernels._smoke_head_triton
 
     def smoke(kind):
         tried.append(kind)
         raise RuntimeError("no kernel image is available for execution on the device")
 
-    monkeypatch.setattr(kernels, "_smoke_head_triton", smoke)
+    monkeypatch.setitem(kernels._SMOKE_TESTS, family, smoke)
     with caplog.at_level("WARNING", logger="memgrad_hf.kernels"):
-        assert kernels.head_impl("cuda") is head and kernels.head_impl("cuda") is head
+        assert kernels.default_backend(family, "cuda") == "torch"
+        assert kernels.default_backend(family, "cuda") == "torch"
+        if family == "head":
+            assert kernels.head_impl("cuda") is head
     assert tried == ["cuda"]  # once per process
-    assert sum("torch head path is used instead" in r.getMessage() for r in caplog.records) == 1
-    assert "no kernel image" in caplog.text
+    assert sum("the torch path is used instead" in r.getMessage() for r in caplog.records) == 1
+    assert "no kernel image" in caplog.text and f"Triton {family} kernels" in caplog.text
+    assert kernels.default_backend(family, "cpu") == "torch" and tried == ["cuda"]  # CPU: torch, nothing to try
     monkeypatch.setenv("MEMGRAD_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from memgrad_hf.kernels import head_triton
+    assert kernels.default_backend(family, "cuda") == "triton" and tried == ["cuda"]
+    if family == "head":
+        assert kernels.head_impl("cuda") is head_triton
 
-    assert kernels.head_impl("cuda") is head_triton and tried == ["cuda"]
-    assert real is not smoke
+
+def test_forge_smoke_test_runs_under_the_interpreter():
+    # the FORGE smoke test itself (what decides whether a GPU gets the Triton FORGE kernels), on CPU
+    code = "from memgrad_hf import kernels; kernels._smoke_forge_triton('cpu'); print('forge smoke passed')"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "forge smoke passed" in res.stdout, res.stdout + res.stderr

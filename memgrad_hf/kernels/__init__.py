@@ -49,7 +49,7 @@ def head_impl(device: torch.device | str | None = None):
     (0.5 GiB at 128K x 1024), where the torch path walks the vocabulary in blocks. ``MEMGRAD_BACKEND=triton`` on CPU
     tensors needs ``TRITON_INTERPRET=1`` (slow; for tests).
     """
-    if backend(device) == "triton" and (_forced() == "triton" or _head_triton_runs(device)):
+    if default_backend("head", device) == "triton":
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
@@ -68,28 +68,33 @@ def _forced() -> str:
     return os.environ.get("MEMGRAD_BACKEND", "").strip().lower()
 
 
-_HEAD_TRITON_RUNS: dict[str, bool] = {}
-
-
-def _head_triton_runs(device: torch.device | str | None) -> bool:
-    """Whether the Triton head compiles and runs on ``device``'s kind, tried once per process on a 4 x 64 problem
-    (the default, unlike ``MEMGRAD_BACKEND=triton``, must not stop training where Triton cannot build for this GPU
-    or driver): if not, a warning names the error once and the torch path serves every call."""
+def default_backend(family: str, device: torch.device | str | None = None) -> str:
+    """:func:`backend`, for the families whose Triton kernels are the default on a GPU (``"head"``, ``"forge"``):
+    ``"triton"`` only once a smoke test of that family has built and run on ``device``'s kind in this process. A
+    default must not stop training where Triton cannot build for the GPU or driver: there one warning names the
+    error and the torch path serves every call. A forced ``MEMGRAD_BACKEND=triton`` is not second-guessed."""
+    chosen = backend(device)
+    if chosen != "triton" or _forced() == "triton":
+        return chosen
     kind = torch.device(device).type if device is not None else "cpu"
-    if kind not in _HEAD_TRITON_RUNS:
+    if (family, kind) not in _TRITON_RUNS:
         try:
             with torch.no_grad(), torch.autocast(kind, enabled=False):  # whatever context the first call is in
-                _smoke_head_triton(kind)
-            _HEAD_TRITON_RUNS[kind] = True
+                _SMOKE_TESTS[family](kind)
+            _TRITON_RUNS[family, kind] = True
         except Exception as e:  # any failure to build or launch: fall back, say why
-            _HEAD_TRITON_RUNS[kind] = False
-            log.warning("memgrad_hf: the Triton head kernels do not run on this %s (%s: %s); the torch head path is "
-                        "used instead (same results, slower). MEMGRAD_BACKEND=torch skips this check.", kind,
+            _TRITON_RUNS[family, kind] = False
+            log.warning("memgrad_hf: the Triton %s kernels do not run on this %s (%s: %s); the torch path is used "
+                        "instead (same results, slower). MEMGRAD_BACKEND=torch skips this check.", family, kind,
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-    return _HEAD_TRITON_RUNS[kind]
+    return "triton" if _TRITON_RUNS[family, kind] else "torch"
+
+
+_TRITON_RUNS: dict[tuple[str, str], bool] = {}
 
 
 def _smoke_head_triton(kind: str) -> None:
+    """A 4-token, 64-word cross-entropy through the Triton head against ``F.cross_entropy``."""
     from memgrad_hf.kernels import head_triton
     from memgrad_hf.kernels.head import Epilogue
 
@@ -102,6 +107,28 @@ def _smoke_head_triton(kind: str) -> None:
     ref = torch.nn.functional.cross_entropy(h @ w.t(), y)
     if not torch.allclose(loss, ref, rtol=1e-4, atol=1e-5):
         raise RuntimeError(f"smoke test: Triton loss {loss.item()} != {ref.item()}")
+
+
+def _smoke_forge_triton(kind: str) -> None:
+    """One fused AdamW step of a 64 x 64 weight through the Triton FORGE kernel against its torch twin."""
+    from memgrad_hf.kernels import forge as twin
+    from memgrad_hf.kernels import forge_triton
+
+    g = torch.Generator().manual_seed(0)
+    dy, x, w = (torch.randn(8, 64, generator=g).to(kind), torch.randn(8, 64, generator=g).to(kind),
+                torch.randn(64, 64, generator=g).to(kind))
+    hp = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    out = []
+    for step_fn in (forge_triton.linear_weight_step, twin.linear_weight_step):
+        wi, st = w.clone(), {"exp_avg": torch.zeros_like(w), "exp_avg_sq": torch.zeros_like(w)}
+        step_fn("adamw", dy, x, wi, st, hp, 1)
+        out.append(wi)
+    if not torch.allclose(out[0], out[1], rtol=1e-5, atol=1e-6):
+        raise RuntimeError(f"smoke test: Triton FORGE step differs from the torch twin by "
+                           f"{(out[0] - out[1]).abs().max().item():.3g}")
+
+
+_SMOKE_TESTS = {"head": _smoke_head_triton, "forge": _smoke_forge_triton}
 
 
 def titans_step_impl(device: torch.device | str | None = None):

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from memgrad_hf.functional import retain_head_grads
-from memgrad_hf.kernels import backend
+from memgrad_hf.kernels import default_backend
 from memgrad_hf.kernels import forge as K
 from memgrad_hf.patches import forge as P
 
@@ -304,7 +304,7 @@ class ForgeOptimizer(Optimizer):
         clip='previous'); with exact clipping the norm pass measures the norm instead."""
         sums = self._step_sums.get(device)
         if sums is None:
-            fp = torch.float32 if backend(device) == "triton" else torch.float64
+            fp = torch.float32 if default_backend("forge", device) == "triton" else torch.float64
             sums = (torch.zeros((), dtype=fp, device=device), torch.zeros((), dtype=torch.int32, device=device))
             self._step_sums[device] = sums
         return sums
@@ -312,7 +312,7 @@ class ForgeOptimizer(Optimizer):
     def _update_impl(self, target: Tensor, g: Tensor):
         """One Triton kernel per update on CUDA (no host sync, no temporaries), else the torch twin (which also
         takes non-contiguous tensors)."""
-        if (backend(target.device) == "triton" and target.is_contiguous() and g.is_contiguous()
+        if (default_backend("forge", target.device) == "triton" and target.is_contiguous() and g.is_contiguous()
                 and self.rule in K.KERNEL_RULES):
             from memgrad_hf.kernels import forge_triton
 
@@ -401,7 +401,7 @@ class ForgeOptimizer(Optimizer):
         """Called from the fused embedding's backward: the dense gradient is built and applied per row block."""
         # With the device kernels (GPU), boolean selection would wait for the host once per block: mask instead
         # (every token's row is added to every block, zeroed where it belongs elsewhere; cheap next to the update).
-        select = backend(dy.device) != "triton"
+        select = default_backend("forge", dy.device) != "triton"
         if padding_idx is not None:  # nn.Embedding's padding row gets no gradient
             keep = ids != padding_idx
             ids, dy = (ids[keep], dy[keep]) if select else (ids, torch.where(keep[:, None], dy, 0))
@@ -435,7 +435,8 @@ class ForgeOptimizer(Optimizer):
     def _weight_step_impl(self, weight: Tensor):
         """The Triton kernel on CUDA (fp32, bf16 or 8-bit state; nearest or stochastic rounding: the same noise as
         the twin), else the torch twin."""
-        if backend(weight.device) == "triton" and weight.is_contiguous() and self.rule in K.KERNEL_RULES:
+        if (default_backend("forge", weight.device) == "triton" and weight.is_contiguous()
+                and self.rule in K.KERNEL_RULES):
             from memgrad_hf.kernels import forge_triton
 
             return forge_triton.linear_weight_step
