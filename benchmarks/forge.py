@@ -77,19 +77,35 @@ def setup(device: str, config: str, hidden: int, layers: int, vocab: int, batch:
 STEP_TIMES: dict[str, list[float]] = {}  # config -> seconds of every step after each run's first (timing runs)
 
 
-def _step_profiler(config: str, device: str, last_step: int):
-    """Profiles the run's last step and prints the ops that took the most time (device time on a GPU) and the
-    number of host syncs: where a configuration's step time goes."""
+def _step_profiler(config: str, device: str, last_step: int, host: bool = False):
+    """Profiles the run's last step and prints where its time went: ``torch.profiler``'s top ops (device time on a
+    GPU) and the number of host syncs, or with ``host`` a cProfile of the Python side (on a GPU a step is
+    host-bound when that total exceeds the device time)."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
     from transformers import TrainerCallback
 
     cuda = device.startswith("cuda")
 
+    def report(prof) -> str:
+        if host:
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            return f"\n### host profile of one step: {config}\n\n```\n{buf.getvalue().strip()}\n```"
+        ev = prof.key_averages()
+        syncs = sum(e.count for e in ev if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                      "aten::_local_scalar_dense"))
+        table = ev.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=15)
+        return f"\n### profile of one step: {config} (host syncs / scalar reads: {syncs})\n\n{table}"
+
     class StepProfiler(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == last_step - 1:
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-                self.prof = profile(activities=acts)
+                self.prof = cProfile.Profile() if host else profile(activities=acts)
                 self.prof.__enter__()
 
         def on_step_end(self, args, state, control, **kw):
@@ -98,41 +114,10 @@ def _step_profiler(config: str, device: str, last_step: int):
             if cuda:
                 torch.cuda.synchronize()
             self.prof.__exit__(None, None, None)
-            ev = self.prof.key_averages()
-            syncs = sum(e.count for e in ev if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                                          "aten::_local_scalar_dense"))
-            print(f"\n### profile of one step: {config} (host syncs / scalar reads: {syncs})\n")
-            print(ev.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=15))
+            print(report(self.prof))
             self.prof = None
 
     return StepProfiler()
-
-
-def _host_profiler(config: str, last_step: int):
-    """cProfile of the run's last step: where the host (Python, kernel launches) spends a step. On a GPU a step is
-    host-bound when this total exceeds the device time."""
-    import cProfile
-    import io
-    import pstats
-
-    from transformers import TrainerCallback
-
-    class HostProfiler(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            if state.global_step == last_step - 1:
-                self.prof = cProfile.Profile()
-                self.prof.enable()
-
-        def on_step_end(self, args, state, control, **kw):
-            if getattr(self, "prof", None) is None:
-                return
-            self.prof.disable()
-            buf = io.StringIO()
-            pstats.Stats(self.prof, stream=buf).sort_stats("tottime").print_stats(25)
-            print(f"\n### host profile of one step: {config}\n\n```\n{buf.getvalue().strip()}\n```")
-            self.prof = None
-
-    return HostProfiler()
 
 
 def _step_timer(config: str, sync: bool):
@@ -170,7 +155,7 @@ def run(s: dict) -> None:
     if s.get("profile"):
         t.add_callback(_step_profiler(s["config"], s["device"], s["steps"]))
     if s.get("host_profile"):
-        t.add_callback(_host_profiler(s["config"], s["steps"]))
+        t.add_callback(_step_profiler(s["config"], s["device"], s["steps"], host=True))
     t.train()
     opt = getattr(t.optimizer, "optimizer", t.optimizer)
     if hasattr(opt, "detach"):
