@@ -277,6 +277,16 @@ def test_weight_grad_consumer_receives_exact_blocks(kw):
     assert rel_err(got_w, gw) < 1e-5 and rel_err(got_b, gb) < 1e-5
 
 
+def test_vocabulary_blocks_are_aligned():
+    # bf16 logits blocks with a row stride that is not a multiple of 8 elements push cuBLAS onto slow kernels
+    from memgrad_hf.kernels.head import aligned_block
+
+    for rows in (1, 16, 17, 100, 127, 128, 129, 1000, 4748, 1 << 20):
+        b = aligned_block(rows)
+        assert b % (128 if b >= 128 else 16) == 0 and b >= 16
+        assert b <= max(rows, 16) and (b >= rows - 127 if rows >= 128 else b >= rows - 15)
+
+
 @pytest.mark.parametrize("kw", [{}, {"softcap": 200.0, "z_loss": 1e-3}, {"label_smoothing": 0.1}])
 def test_cross_entropy_exact_when_target_probability_underflows(kw):
     # Large logits: the target's softmax probability underflows (p_t < 1e-30 for most rows), so the fused path cannot

@@ -262,6 +262,13 @@ def default_chunk_size(n_tokens: int, hidden: int, vocab: int) -> int:
     return int(max(1, min(c, n_tokens)))
 
 
+def aligned_block(rows: int) -> int:
+    """A vocabulary block of at most ``rows`` rows (at least 16): a multiple of 128 from 128 on, else of 16, so that
+    a ``[tokens x block]`` logits block in bf16 has a 16-byte-aligned row stride (cuBLAS falls back to much slower
+    kernels otherwise) and its weight slice starts on a GEMM tile boundary."""
+    return max(16, rows - rows % (128 if rows >= 128 else 16))
+
+
 def _dw_buffer(weight: Tensor, n: int, dtype: torch.dtype) -> Tensor:
     """Weight-gradient accumulator; left uninitialized when the first chunk writes it (``_accumulate(first=True)``)."""
     make = torch.empty if n > 0 else torch.zeros
@@ -392,7 +399,7 @@ def head_backward_vocab_blocks(
     A block keeps both its ``[tokens x block]`` logits under ``block_bytes`` and its ``[block x hidden]`` weight
     gradient under ``weight_block_bytes``."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    vb = max(16, min(vocab, block_bytes // max(4 * n, 1), weight_block_bytes // max(4 * hidden.shape[1], 1)))
+    vb = aligned_block(min(vocab, block_bytes // max(4 * n, 1), weight_block_bytes // max(4 * hidden.shape[1], 1)))
     dx = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dx else None
     lp = weight.dtype != torch.float32
     for v0 in range(0, vocab, vb):

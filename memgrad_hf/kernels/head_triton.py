@@ -30,11 +30,13 @@ from memgrad_hf.kernels.head import (  # noqa: F401  (the torch path's other sch
     Stats,
     _dw_buffer,
     _mm_f32,
+    aligned_block,
     default_chunk_size,
     head_backward_vocab_blocks,
 )
 
 PREFERS_FUSED = True  # functional.linear_cross_entropy: gradients in the forward pass by default with this backend
+_GRAD_BLOCK = 1024  # columns per program of the gradient kernel
 
 @triton.jit
 def _tanh(x):
@@ -218,13 +220,17 @@ def _grad_rows_kernel(
     TANH: tl.constexpr, HAS_BETA: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """``dL/du`` over a row of logits (vocabulary columns ``col0 .. col0 + ncols``) from per-row coefficients."""
+    """``dL/du`` over one ``BLOCK`` of a row of logits (the row holds vocabulary columns ``col0 .. col0 + ncols``)
+    from per-row coefficients. Grid ``(rows, column blocks)``: every block is independent, so a chunk of few rows
+    still fills the GPU, and no program walks a mostly masked tail."""
     row = tl.program_id(0).to(tl.int64)
+    c0 = tl.program_id(1) * BLOCK
     beta = tl.load(b_ptr + row) if HAS_BETA else 0.0
     gamma = tl.load(g_ptr + row) if HAS_GAMMA else 0.0
     delta = tl.load(d_ptr + row) if HAS_DELTA else 0.0
-    _write_grad(u_ptr + row * s_u, ncols, tl.load(t_ptr + row) - col0, tl.load(lse_ptr + row), tl.load(a_ptr + row),
-                beta, gamma, delta, inp, out, TANH, HAS_BETA, HAS_GAMMA, HAS_DELTA, BLOCK)
+    _write_grad(u_ptr + row * s_u + c0, tl.minimum(ncols - c0, BLOCK), tl.load(t_ptr + row) - col0 - c0,
+                tl.load(lse_ptr + row), tl.load(a_ptr + row), beta, gamma, delta, inp, out,
+                TANH, HAS_BETA, HAS_GAMMA, HAS_DELTA, BLOCK)
 
 
 def head_stats(
@@ -266,12 +272,13 @@ def head_stats(
 
 def _grad_rows(u: Tensor, col0: int, targets: Tensor, lse: Tensor, coef: list[Tensor | None], ep: Epilogue) -> None:
     alpha, beta, gamma, delta = (None if c is None else c.to(torch.float32).contiguous() for c in coef)
-    _grad_rows_kernel[(u.shape[0],)](
+    block = min(_GRAD_BLOCK, triton.next_power_of_2(u.shape[1]))
+    _grad_rows_kernel[(u.shape[0], -(-u.shape[1] // block))](
         u, u.stride(0), u.shape[1], col0, targets, lse, alpha,
         beta if beta is not None else alpha, gamma if gamma is not None else alpha,
         delta if delta is not None else alpha, float(ep.inp), float(ep.out),
         TANH=ep.tanh, HAS_BETA=beta is not None, HAS_GAMMA=gamma is not None, HAS_DELTA=delta is not None,
-        BLOCK=min(4096, triton.next_power_of_2(u.shape[1])), num_warps=8,
+        BLOCK=block, num_warps=4,
     )
 
 
@@ -328,7 +335,7 @@ def _backward_vocab_blocks(hidden: Tensor, weight: Tensor, bias: Tensor | None, 
     db = torch.empty_like(bias) if need_db and bias is not None else None
     dx = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dx else None
     # a block's logits [n x vb] in the weight's dtype take about what one token chunk's full row would
-    vb = max(16, min(vocab, (chunk_size * vocab) // max(n, 1)))
+    vb = aligned_block(min(vocab, (chunk_size * vocab) // max(n, 1)))
     inside_t = targets
     for v0 in range(0, vocab, vb):
         v1 = min(v0 + vb, vocab)
