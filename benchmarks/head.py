@@ -4,7 +4,9 @@ Peers: HF stock (``lm_head`` logits + ``ForCausalLMLoss``), PyTorch's chunked ``
 (``LinearCrossEntropyOptions()``), TRL's fused head (``ChunkedLogProbFunction``, the loss as ``-mean(logp)``),
 Liger's fused linear cross-entropy (GPU only: on CPU it needs the Triton interpreter, which takes far too long
 at these sizes), memgrad (``memgrad_hf.functional.linear_cross_entropy``; its Triton head on GPU) and, on GPU,
-memgrad on its torch path (``memgrad_torch``: ``MEMGRAD_BACKEND=torch``).
+memgrad on its torch path (``memgrad_torch``: ``MEMGRAD_BACKEND=torch``) and memgrad with the logits recomputed
+in backward (``memgrad_recompute``: ``grad_in_forward=False``; four GEMMs, but each vocabulary block's weight
+gradient summed over all tokens at once instead of a ``[V x H]`` fp32 accumulator re-read and re-written per chunk).
 
 Peak memory: one fresh process per configuration, peak over what the inputs (hidden, weight, labels) occupy;
 it includes the gradients every peer must return (dX and dW). Time: round-robin in this process.
@@ -20,7 +22,7 @@ import torch
 
 from benchmarks.harness import Case, machine, peak_added_mib, profile_once, time_interleaved, versions
 
-PEERS = ("hf", "torch_lce", "trl", "liger", "memgrad", "memgrad_torch")
+PEERS = ("hf", "torch_lce", "trl", "liger", "memgrad", "memgrad_torch", "memgrad_recompute")
 
 
 def setup(device: str, impl: str, n: int, d: int, v: int, dtype: str) -> dict:
@@ -58,6 +60,10 @@ def _impl(name: str):
         from memgrad_hf.functional import linear_cross_entropy
 
         return lambda h, w, y: linear_cross_entropy(h, w, y)
+    if name == "memgrad_recompute":
+        from memgrad_hf.functional import linear_cross_entropy
+
+        return lambda h, w, y: linear_cross_entropy(h, w, y, grad_in_forward=False)
     if name == "memgrad_torch":  # the torch path on a GPU (MEMGRAD_BACKEND=torch)
         from memgrad_hf.functional import linear_cross_entropy
 

@@ -27,8 +27,8 @@ for part in $parts; do
     head) python -m benchmarks.head --device cuda --repeats 10 2>&1 | tee "$out/head.md" ;;
     grpo) python -m benchmarks.grpo --device cuda --repeats 10 2>&1 | tee "$out/grpo.md" ;;
     head-profile)  # where the head's time goes on the GPU, per peer (top kernels by device time, host syncs)
-      { python -m benchmarks.head --device cuda --vocab 32768 --repeats 3 --profile --peers trl liger memgrad \
-          memgrad_torch
+      { python -m benchmarks.head --device cuda --vocab 128256 --repeats 3 --profile --peers trl liger memgrad \
+          memgrad_recompute
         python -m benchmarks.grpo --device cuda --repeats 3 --profile --peers trl memgrad; } 2>&1 \
         | tee "$out/head-profile.md" ;;
     forge)  # ~1B Llama-style model, bf16 weights, batch 1 x 1024 tokens
