@@ -57,14 +57,18 @@ def main(argv: list[str] | None = None) -> int:
         st = {"exp_avg": torch.zeros_like(w), "exp_avg_sq": torch.zeros_like(w)}
         tiles = forge_triton.LINEAR_TILES["lowp"]
         default = dict(tiles)
-        for bm, bk, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4),
-                                      (64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 8, 4), (256, 64, 8, 3)):
-            tiles.update(bm=bm, bk=bk, num_warps=warps, num_stages=stages)
+        for bm, bn, bk, warps, stages in ((64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (128, 64, 64, 8, 4),
+                                          (128, 64, 32, 8, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 3),
+                                          (64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 16, 3),
+                                          (256, 64, 32, 8, 3)):
+            tiles.update(bm=bm, bn=bn, bk=bk, num_warps=warps, num_stages=stages)
+            what = f"sweep: BM {bm} BN {bn} BK {bk} warps {warps} stages {stages}"
             try:
-                rows.append((f"sweep: BM {bm} BK {bk} warps {warps} stages {stages}", *_time(
+                rows.append((what, *_time(
                     lambda: forge_triton.linear_weight_step("adamw", dy, x, w.data, st, hp, 5), a.calls)))
             except Exception as e:  # a shape the GPU cannot hold (shared memory): say so, go on
-                rows.append((f"sweep: BM {bm} BK {bk} warps {warps} stages {stages}: {type(e).__name__}", 0, 0))
+                rows.append((f"{what}: {type(e).__name__}", 0, 0))
+        tiles.clear()
         tiles.update(default)
     lin = torch.nn.Linear(a.in_f, a.out, bias=False, device=dev, dtype=bf)
     opt = ForgeAdamW(lin.parameters(), model=lin, lr=1e-4)

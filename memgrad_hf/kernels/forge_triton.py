@@ -32,12 +32,12 @@ F32, BF16, Q8 = 0, 1, 2
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Launch configuration of the fused weight-gradient kernel, for bf16/fp16 activations (tensor cores) and fp32 ones
-# (IEEE dots); tiles are 64 output columns wide (one 8-bit scale block). Module-level so that
-# benchmarks.forge_launch --sweep can time others. bf16, 2048x2048 weight, 1024 tokens, H100 (2026-11-23): 128-row
-# tiles on 8 warps took 77 µs per call where 64-row tiles on 4 warps took 145.
+# (IEEE dots). ``bn`` (tile columns) applies without 8-bit state; with it a tile is one 64-column scale block wide.
+# Module-level so that benchmarks.forge_launch --sweep can time others. bf16, 2048x2048 weight, 1024 tokens, H100
+# (2026-11-23): 128-row tiles on 8 warps took 77 µs per call where 64-row tiles on 4 warps took 145.
 LINEAR_TILES = {
-    "lowp": {"bm": 128, "bk": 64, "num_warps": 8, "num_stages": 3},
-    "fp32": {"bm": 64, "bk": 32, "num_warps": 4, "num_stages": 3},
+    "lowp": {"bm": 128, "bn": 64, "bk": 64, "num_warps": 8, "num_stages": 3},
+    "fp32": {"bm": 64, "bn": 64, "bk": 32, "num_warps": 4, "num_stages": 3},
 }
 
 
@@ -306,10 +306,11 @@ def linear_weight_step(
     m_kind, v_kind = _kind(m), _kind(v)
     norm, bad = _sums(sums, w.device)
     lowp = dy.dtype in (torch.bfloat16, torch.float16) and x.dtype == dy.dtype
-    # 64 columns are one 8-bit scale block (K.Q_BLOCK), so a tile's row owns its block's scale; the epilogue's
-    # weight and state tiles stay in registers
+    # with 8-bit state a tile is one scale block (K.Q_BLOCK columns) wide, so a tile's row owns its block's scale;
+    # the epilogue's weight and state tiles stay in registers
     cfg = LINEAR_TILES["lowp" if lowp else "fp32"]
-    bm, bn, bk = cfg["bm"], K.Q_BLOCK, cfg["bk"]
+    bm, bk = cfg["bm"], cfg["bk"]
+    bn = K.Q_BLOCK if Q8 in (m_kind, v_kind) else cfg.get("bn", K.Q_BLOCK)
     seeds = K.rounding_seeds(seed, names)
     m_scale = st.get(names[0] + ".scale", w) if names else w  # w: a placeholder pointer where no scales exist
     b1, b2, omb1, omb2, eps, bc1, bc2_sqrt = ra["scalars"]

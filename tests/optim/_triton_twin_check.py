@@ -206,6 +206,19 @@ if __name__ == "__main__":
                    for state in ("bf16", "8bit") for sr in (False, True)) <= 0.01
     bf16_ok &= max(check_update(rule, case, dev) for rule in rules
                    for case in ("gain", "bf16_block", "8bit")) <= 0.01
+    # wider tiles (LINEAR_TILES' bn, which benchmarks.forge_launch --sweep times): the same results; 8-bit state
+    # keeps one scale block per tile
+    saved = {k: dict(v) for k, v in T.LINEAR_TILES.items()}
+    try:
+        for v in T.LINEAR_TILES.values():
+            v.update(bm=32, bn=128)
+        worst = max(worst, *(check(rule, True, 7, dev)[0] for rule in ("adamw", "lion")))
+        bf16_ok &= check_bf16("adamw", 7, dev) <= 1.0
+        bf16_ok &= max(check_lowp_state("adamw", state, True, 3, dev) for state in ("bf16", "8bit")) <= 0.01
+    finally:
+        for k, v in saved.items():
+            T.LINEAR_TILES[k].clear()
+            T.LINEAR_TILES[k].update(v)
     if dev == "cpu":
         print(f"max relative error {worst:.3e}")
         sys.exit(0 if worst < 1e-5 and bf16_ok else 1)
