@@ -8,7 +8,8 @@ Kernel: one chunk's inner gradient plus retrieval for ``B`` independent memories
 (``memory_step_autograd``); on CUDA also the compiled Triton twin (``kernels.titans_triton.memory_step``, what
 ``NeuralMemory`` dispatches to there). ``train``: the kernel forward plus the outer backward of a random projection
 of its outputs (second-order terms to weights, gamma, keys, values, queries and lr); ``fwd``: the kernel alone under
-``torch.no_grad()`` (inference).
+``torch.no_grad()`` (inference). Every kernel is called as ``NeuralMemory`` calls it: ``return_loss=False`` (the
+per-token loss, which the layer does not use, is not returned; the reference computes it in any case).
 
 Layer: store + retrieve over a whole sequence, forward + backward of a random projection of the retrieved output,
 to every input and parameter. Peers: ``memgrad_hf.titans.NeuralMemory`` (manual kernel; and ``grad_impl="autograd"``,
@@ -84,11 +85,11 @@ def _kernel_once(s: dict) -> None:
     args = (s["ws"], s["gamma"], s["k"], s["v"], s["lr"], s["q"], "gelu")
     if not s["train"]:
         with torch.no_grad():
-            s["step"](*args)
+            s["step"](*args, return_loss=False)
         return
     for x in (*s["ws"], s["gamma"], s["k"], s["v"], s["q"], s["lr"]):
         x.grad = None
-    grads, dgamma, retrieved, _ = s["step"](*args)
+    grads, dgamma, retrieved, _ = s["step"](*args, return_loss=False)
     outer = sum((o * p).sum() for o, p in zip((*grads, dgamma, retrieved), s["probes"], strict=True))
     outer.backward()
 

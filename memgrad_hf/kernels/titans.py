@@ -91,8 +91,10 @@ def _ln_backward(grad: Tensor, m: Tensor, mean: Tensor, rstd: Tensor) -> Tensor:
 
 
 def _step_forward(weights: list[Tensor], gamma: Tensor, keys: Tensor, values: Tensor, lr: Tensor,
-                  queries: Tensor | None, activation: str, save: bool = True) -> tuple[tuple[Tensor, ...], dict]:
-    """The step's outputs ``(*grads, dgamma, token_loss, retrieved?)`` and (``save``) what its backward needs.
+                  queries: Tensor | None, activation: str, save: bool = True, return_loss: bool = True,
+                  ) -> tuple[tuple[Tensor | None, ...], dict]:
+    """The step's outputs ``(*grads, dgamma, token_loss, retrieved?)`` (``token_loss`` None unless ``return_loss``)
+    and (``save``) what its backward needs.
 
     Temporaries are dropped as soon as they are used (the peak of one step is a few ``(G, C, H)`` tensors), and the
     retrieval runs first so that its activations are gone before the key path allocates its own.
@@ -113,7 +115,7 @@ def _step_forward(weights: list[Tensor], gamma: Tensor, keys: Tensor, values: Te
     m, zs, acts = _mlp(weights, keys, activation)
     h, mean, rstd = torch.ops.aten.native_layer_norm(m, [D], None, None, LN_EPS)
     diff = torch.addcmul(keys - values, h, g1)  # M(k) - v
-    token_loss = diff.pow(2).mean(-1)
+    token_loss = diff.pow(2).mean(-1) if return_loss else None  # two launches a chunk the memory layer skips
     dy = diff * (lr * (2.0 / D))[..., None]
     dgamma = (dy * h).sum(1)
     dm = _ln_backward(dy * g1, m, mean, rstd)
@@ -129,7 +131,7 @@ def _step_forward(weights: list[Tensor], gamma: Tensor, keys: Tensor, values: Te
         if i > 0:  # a shared 2-D weight: one GEMM over all memories, no expanded copy
             gi = _act_backward(torch.matmul(gi, weights[i].transpose(-1, -2)), zs[i - 1], activation)
             zs[i - 1] = None  # type: ignore[call-overload]
-    outs: tuple[Tensor, ...] = (*grads, dgamma, token_loss)
+    outs: tuple[Tensor | None, ...] = (*grads, dgamma, token_loss)
     return (outs if retrieved is None else (*outs, retrieved)), saved
 
 
@@ -193,10 +195,11 @@ class _MemoryStep(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, activation: str, n_w: int, has_q: bool, *tensors: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx, activation: str, n_w: int, has_q: bool, return_loss: bool, *tensors: Tensor,
+                ) -> tuple[Tensor | None, ...]:
         weights, (gamma, keys, values, lr) = list(tensors[:n_w]), tensors[n_w:n_w + 4]
         queries = tensors[n_w + 4] if has_q else None
-        outs, sv = _step_forward(weights, gamma, keys, values, lr, queries, activation)
+        outs, sv = _step_forward(weights, gamma, keys, values, lr, queries, activation, return_loss=return_loss)
         ctx.activation, ctx.n_w, ctx.has_q, ctx.device_type = activation, n_w, has_q, keys.device.type
         ctx.save_for_backward(*tensors, *_saved_list(sv, has_q))
         ctx.set_materialize_grads(False)  # outputs without a gradient add no work to the backward
@@ -332,7 +335,7 @@ class _MemoryStep(torch.autograd.Function):
         gbar = None
         if g1bar is not None:
             gbar = g1bar.sum(0) if gamma.dim() == 1 else g1bar
-        return (None, None, None, *wbar, gbar, xbar, vbar, lrbar, qbar)
+        return (None, None, None, None, *wbar, gbar, xbar, vbar, lrbar, qbar)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -385,7 +388,9 @@ def memory_step(
     lr: Tensor,
     queries: Tensor | None = None,
     activation: str = "gelu",
-) -> tuple[list[Tensor], Tensor, Tensor | None, Tensor]:
+    *,
+    return_loss: bool = True,
+) -> tuple[list[Tensor], Tensor, Tensor | None, Tensor | None]:
     """One chunk of the memory: inner gradients at the given weights, and the retrieval for ``queries``.
 
     Args:
@@ -395,11 +400,12 @@ def memory_step(
         lr: per-token loss weights (the adaptive learning rate), ``(G, C)``.
         queries: ``(G, Cq, D)`` to retrieve with the same weights, or ``None``.
         activation: ``"gelu"`` (exact erf) or ``"silu"``.
+        return_loss: also return the per-token loss (else ``None`` in its place: the memory layer does not use it).
 
     Returns:
         ``(weight_grads, gamma_grad, retrieved, token_loss)``: gradients of ``sum_t lr_t * mean_d (M(k_t)-v_t)^2``
         with the shapes ``(G, d_in, d_out)`` and ``(G, D)``; ``M(queries)`` or ``None``; the unweighted per-token
-        loss ``(G, C)`` (not differentiable).
+        loss ``(G, C)`` (differentiable) or ``None``.
 
     Example::
 
@@ -409,11 +415,13 @@ def memory_step(
     tensors = (*weights, gamma, keys, values, lr, *(() if queries is None else (queries,)))
     if torch._C._are_functorch_transforms_active():
         # Under torch.func transforms: plain ops, which autograd and functorch differentiate as they are.
-        outs, _ = _step_forward(list(weights), gamma, keys, values, lr, queries, activation, save=False)
+        outs, _ = _step_forward(list(weights), gamma, keys, values, lr, queries, activation, save=False,
+                                return_loss=return_loss)
     elif torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        outs = _MemoryStep.apply(activation, L, queries is not None, *tensors)
+        outs = _MemoryStep.apply(activation, L, queries is not None, return_loss, *tensors)
     else:  # inference: no graph, nothing saved
-        outs, _ = _step_forward(list(weights), gamma, keys, values, lr, queries, activation, save=False)
+        outs, _ = _step_forward(list(weights), gamma, keys, values, lr, queries, activation, save=False,
+                                return_loss=return_loss)
     return list(outs[:L]), outs[L], (outs[L + 2] if queries is not None else None), outs[L + 1]
 
 
@@ -432,7 +440,9 @@ def memory_step_autograd(
     lr: Tensor,
     queries: Tensor | None = None,
     activation: str = "gelu",
-) -> tuple[list[Tensor], Tensor, Tensor | None, Tensor]:
+    *,
+    return_loss: bool = True,
+) -> tuple[list[Tensor], Tensor, Tensor | None, Tensor | None]:
     """:func:`memory_step` computed with ``torch.func.vmap(grad(...))`` (the reference; same signature)."""
     G = keys.shape[0]
     ws = tuple(_batched(w, G) for w in weights)
@@ -441,4 +451,4 @@ def memory_step_autograd(
                                  in_dims=(0, 0, 0, 0, 0, None))
     (gw, gg), token_loss = per_memory(ws, gam, keys, values, lr, activation)
     retrieved = None if queries is None else memory_forward(weights, gamma, queries, activation)
-    return list(gw), gg, retrieved, token_loss
+    return list(gw), gg, retrieved, token_loss if return_loss else None

@@ -403,11 +403,14 @@ def memory_step(
     lr: Tensor,
     queries: Tensor | None = None,
     activation: str = "gelu",
-) -> tuple[list[Tensor], Tensor, Tensor | None, Tensor]:
+    *,
+    return_loss: bool = True,
+) -> tuple[list[Tensor], Tensor, Tensor | None, Tensor | None]:
     """Same contract as :func:`memgrad_hf.kernels.titans.memory_step`, computed by one Triton kernel.
 
     Returns ``(weight_grads, gamma_grad, retrieved, token_loss)``: ``(G, d_in, d_out)`` per layer, ``(G, D)``,
-    ``(G, Cq, D)`` or ``None``, ``(G, C)``. Differentiable (Triton forward, torch-twin backward).
+    ``(G, Cq, D)`` or ``None``, ``(G, C)`` (``None`` unless ``return_loss``; the kernel computes it in passing).
+    Differentiable (Triton forward, torch-twin backward).
 
     Raises:
         ValueError: depth outside 1..4, an unknown activation, ``D > 256``, or inconsistent shapes.
@@ -419,11 +422,12 @@ def memory_step(
     weights = list(weights)
     _check_inputs(weights, gamma, keys, values, lr, queries, activation)
     if keys.numel() == 0 or (queries is not None and queries.shape[1] == 0):  # no programs to launch
-        return _torch_twin.memory_step(weights, gamma, keys, values, lr, queries, activation)
+        return _torch_twin.memory_step(weights, gamma, keys, values, lr, queries, activation, return_loss=return_loss)
     tensors = [*weights, gamma, keys, values, lr] + ([] if queries is None else [queries])
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        return _launch(weights, gamma, keys, values, lr, queries, activation)
+        grads, dgamma, retrieved, token_loss = _launch(weights, gamma, keys, values, lr, queries, activation)
+        return grads, dgamma, retrieved, token_loss if return_loss else None
     depth = len(weights)
     outs = _MemoryStepFunction.apply(activation, depth, queries is not None, *tensors)
     retrieved = outs[depth + 2] if queries is not None else None
-    return list(outs[:depth]), outs[depth], retrieved, outs[depth + 1]
+    return list(outs[:depth]), outs[depth], retrieved, outs[depth + 1] if return_loss else None

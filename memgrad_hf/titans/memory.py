@@ -211,7 +211,7 @@ class NeuralMemory(nn.Module):
             return self.fan.memory_step(weights, gamma, k, v, lr, q, self.activation)
         self.exact_grad_calls += 1
         step = titans_step_impl(k.device) if self._grad_impl == "manual" else K.memory_step_autograd
-        grads, dgamma, retrieved, _ = step(list(weights), gamma, k, v, lr, q, self.activation)
+        grads, dgamma, retrieved, _ = step(list(weights), gamma, k, v, lr, q, self.activation, return_loss=False)
         if self.fan is not None and self.fan.distilling and self.training and torch.is_grad_enabled():
             # The FAN learns from this exact gradient; its loss rides on the retrieval's backward (values unchanged).
             retrieved = self.fan.observe(weights, gamma, k, v, lr, grads, self.activation, attach_to=retrieved)

@@ -44,6 +44,9 @@ def check_forward(depth: int, activation: str, shared: bool, with_q: bool, devic
         ref = K.memory_step(ws, gamma, k, v, lr, q, activation)
         out = T.memory_step(ws, gamma, k, v, lr, q, activation)
     assert (ref[2] is None) == (out[2] is None)
+    with torch.no_grad():  # the layer's call: the same step, no per-token loss returned
+        lean = T.memory_step(ws, gamma, k, v, lr, q, activation, return_loss=False)
+    assert lean[3] is None and all(torch.equal(a, b) for a, b in zip(lean[0], out[0], strict=True))
     pairs = [*zip(ref[0], out[0], strict=True), (ref[1], out[1]), (ref[3], out[3])]
     if with_q:
         pairs.append((ref[2], out[2]))

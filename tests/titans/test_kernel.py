@@ -55,6 +55,25 @@ def test_no_queries_and_grad_shapes():
     assert [g.shape for g in grads] == [w.shape for w in ws] and dgamma.shape == gamma.shape
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_without_the_token_loss_the_same_step(grad):
+    # what the memory layer calls: no per-token loss (two ops a chunk fewer), everything else bit-identical
+    args = _inputs(2)
+    ws, gamma, k, v, q, lr = args
+    with torch.set_grad_enabled(grad):
+        full = K.memory_step(ws, gamma, k, v, lr, q, "gelu")
+        lean = K.memory_step(ws, gamma, k, v, lr, q, "gelu", return_loss=False)
+        ref = K.memory_step_autograd(ws, gamma, k, v, lr, q, "gelu", return_loss=False)
+    assert lean[3] is None and ref[3] is None and full[3] is not None
+    for a, b in zip([*full[0], full[1], full[2]], [*lean[0], lean[1], lean[2]], strict=True):
+        assert torch.equal(a, b)
+    if grad:  # the outer backward without the loss output: as with it
+        outer = [torch.autograd.grad(sum(t.square().sum() for t in (*r[0], r[1], r[2])), [*ws, gamma, k, v, q, lr])
+                 for r in (full, lean)]
+        for a, b in zip(*outer, strict=True):
+            assert torch.equal(a, b)
+
+
 def test_manual_kernel_works_under_non_reentrant_checkpoint():
     from torch.utils.checkpoint import checkpoint
 
