@@ -75,20 +75,29 @@ def peak_added_mib(case: Case, device: str = "cpu", threads: int = 2, timeout: f
 
 
 def time_interleaved(cases: list[Case], device: str = "cpu", repeats: int = 3, warmup: int = 1,
-                     states_out: dict | None = None) -> dict:
+                     states_out: dict | None = None, lazy: bool = False) -> dict:
     """Seconds per run for each case, measured round-robin in this process: ``{name: (min, median)}``.
-    ``states_out``, if given, receives each case's state afterwards (to read results off it)."""
-    states = {}
+    ``states_out``, if given, receives each case's state afterwards (to read results off it). ``lazy``: each run
+    sets its case up just before and drops it after (set-up untimed), so only one case's state is alive at a time
+    (a 7B model per configuration would not fit on one GPU several times over)."""
+    states: dict = {}
     errors = {}
-    for c in cases:
+
+    def make(c: Case) -> None:
         try:
             states[c.name] = c.setup(device=device, **c.kwargs)
         except Exception as e:
             errors[c.name] = f"{type(e).__name__}: {e}"
-    times: dict[str, list[float]] = {n: [] for n in states}
+
+    if not lazy:
+        for c in cases:
+            make(c)
+    times: dict[str, list[float]] = {c.name: [] for c in cases}
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for i in range(warmup + repeats):
         for c in cases:
+            if lazy and c.name not in errors:
+                make(c)
             if c.name not in states or c.name in errors:
                 continue
             try:
@@ -96,12 +105,16 @@ def time_interleaved(cases: list[Case], device: str = "cpu", repeats: int = 3, w
                 t0 = time.perf_counter()
                 c.run(states[c.name])
                 sync()
-                dt = time.perf_counter() - t0
+                if i >= warmup:
+                    times[c.name].append(time.perf_counter() - t0)
             except Exception as e:
                 errors[c.name] = f"{type(e).__name__}: {e}"
-                continue
-            if i >= warmup:
-                times[c.name].append(dt)
+            finally:
+                if lazy:
+                    del states[c.name]
+                    gc.collect()
+                    if device.startswith("cuda"):
+                        torch.cuda.empty_cache()
     if states_out is not None:
         states_out.update(states)
     out = {n: (min(t), statistics.median(t)) for n, t in times.items() if t and n not in errors}
