@@ -7,6 +7,7 @@ twin with the same signature. :func:`backend` picks Triton for CUDA tensors and 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -17,12 +18,13 @@ log = logging.getLogger(__name__)
 _BACKENDS = ("torch", "triton")
 
 
-def backend(device: torch.device | str | None = None) -> str:
+def backend(device: torch.device | str | None = None, forced: str | None = None) -> str:
     """Return ``"torch"`` or ``"triton"`` for tensors on ``device``.
 
-    ``MEMGRAD_BACKEND`` overrides the choice (``triton`` on CPU needs ``TRITON_INTERPRET=1``).
+    ``MEMGRAD_BACKEND`` overrides the choice (``triton`` on CPU needs ``TRITON_INTERPRET=1``); ``forced``: its value,
+    if the caller has read it already.
     """
-    forced = _forced()
+    forced = _forced() if forced is None else forced
     if forced:
         if forced not in _BACKENDS:
             raise ValueError(f"MEMGRAD_BACKEND={forced!r} is not one of {_BACKENDS}; unset it or pick one.")
@@ -31,6 +33,7 @@ def backend(device: torch.device | str | None = None) -> str:
     return "triton" if dev.type == "cuda" and triton_available() else "torch"
 
 
+@functools.cache
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -73,8 +76,9 @@ def default_backend(family: str, device: torch.device | str | None = None) -> st
     ``"triton"`` only once a smoke test of that family has built and run on ``device``'s kind in this process. A
     default must not stop training where Triton cannot build for the GPU or driver: there one warning names the
     error and the torch path serves every call. A forced ``MEMGRAD_BACKEND=triton`` is not second-guessed."""
-    chosen = backend(device)
-    if chosen != "triton" or _forced() == "triton":
+    forced = _forced()  # read once: this runs per layer and step (an environment read costs ~1-2 µs)
+    chosen = backend(device, forced)
+    if chosen != "triton" or forced == "triton":
         return chosen
     kind = torch.device(device).type if device is not None else "cpu"
     if (family, kind) not in _TRITON_RUNS:

@@ -40,6 +40,16 @@ _HEAD_GRAD_MODES = ("recompute", "hold")
 _MIN_8BIT_NUMEL = 4096  # smaller tensors keep fp32 state under state_dtype="8bit"
 
 
+@functools.cache
+def _gradient_state_class() -> type | None:
+    """accelerate's ``GradientState`` (whether this micro-batch syncs), imported once: read per layer and step."""
+    try:
+        from accelerate.state import GradientState
+    except Exception:
+        return None
+    return GradientState
+
+
 class _ClipRoot(torch.autograd.Function):
     """Identity on the loss; its backward runs the norm pass through the rest of the graph first."""
 
@@ -144,12 +154,8 @@ class ForgeOptimizer(Optimizer):
     def _is_sync(self) -> bool:
         if self.sync is not None:
             return self.sync
-        try:
-            from accelerate.state import GradientState
-
-            return bool(GradientState().sync_gradients)
-        except Exception:
-            return True
+        cls = _gradient_state_class()
+        return True if cls is None else bool(cls().sync_gradients)  # a Borg: shared state, cheap to instantiate
 
     @property
     def _exact_norm(self) -> bool:
