@@ -54,20 +54,26 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"Triton linear_weight_step only, {str(kind)[6:]} state", *_time(
             lambda st=st: forge_triton.linear_weight_step("adamw", dy, x, w.data, st, hp, 5), a.calls)))
     if a.sweep:
-        st = {"exp_avg": torch.zeros_like(w), "exp_avg_sq": torch.zeros_like(w)}
+        from memgrad_hf.kernels import forge as K
+
+        q8 = {}
+        for name in ("exp_avg", "exp_avg_sq"):
+            q8[name], q8[name + ".scale"] = K.quantize_8bit(torch.full_like(w, 1e-3, dtype=torch.float32))
+        states = {"bf16": {"exp_avg": torch.zeros_like(w), "exp_avg_sq": torch.zeros_like(w)}, "8-bit": q8}
         tiles = forge_triton.LINEAR_TILES["lowp"]
         default = dict(tiles)
-        for bm, bn, bk, warps, stages in ((64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (128, 64, 64, 8, 4),
-                                          (128, 64, 32, 8, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 3),
-                                          (64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 16, 3),
-                                          (256, 64, 32, 8, 3)):
-            tiles.update(bm=bm, bn=bn, bk=bk, num_warps=warps, num_stages=stages)
-            what = f"sweep: BM {bm} BN {bn} BK {bk} warps {warps} stages {stages}"
-            try:
-                rows.append((what, *_time(
-                    lambda: forge_triton.linear_weight_step("adamw", dy, x, w.data, st, hp, 5), a.calls)))
-            except Exception as e:  # a shape the GPU cannot hold (shared memory): say so, go on
-                rows.append((f"{what}: {type(e).__name__}", 0, 0))
+        shapes = ((64, 64, 64, 4, 3), (128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 64, 32, 8, 4),
+                  (128, 128, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3),
+                  (128, 128, 64, 16, 3), (256, 64, 32, 8, 3))
+        for label, st in states.items():
+            for bm, bn, bk, warps, stages in shapes:
+                tiles.update(bm=bm, bn=bn, bk=bk, num_warps=warps, num_stages=stages)
+                what = f"sweep, {label} state: BM {bm} BN {bn} BK {bk} warps {warps} stages {stages}"
+                try:
+                    rows.append((what, *_time(
+                        lambda st=st: forge_triton.linear_weight_step("adamw", dy, x, w.data, st, hp, 5), a.calls)))
+                except Exception as e:  # a shape the GPU cannot hold (shared memory): say so, go on
+                    rows.append((f"{what}: {type(e).__name__}", 0, 0))
         tiles.clear()
         tiles.update(default)
     lin = torch.nn.Linear(a.in_f, a.out, bias=False, device=dev, dtype=bf)

@@ -32,7 +32,7 @@ F32, BF16, Q8 = 0, 1, 2
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Launch configuration of the fused weight-gradient kernel, for bf16/fp16 activations (tensor cores) and fp32 ones
-# (IEEE dots). ``bn`` (tile columns) applies without 8-bit state; with it a tile is one 64-column scale block wide.
+# (IEEE dots). ``bn`` (tile columns) is a multiple of 64: with 8-bit state a tile row spans whole scale blocks.
 # Module-level so that benchmarks.forge_launch --sweep can time others. bf16, 2048x2048 weight, 1024 tokens, H100
 # (2026-11-23): 128-row tiles on 8 warps took 77 µs per call where 64-row tiles on 4 warps took 145.
 LINEAR_TILES = {
@@ -95,11 +95,11 @@ def _e4m3_encode(y):
 
 
 @triton.jit
-def _load_state(ptr, scale_ptr, offs, srow, mask, rmask, KIND: tl.constexpr, IS_SQRT: tl.constexpr):
+def _load_state(ptr, scale_ptr, offs, sel, mask, KIND: tl.constexpr, IS_SQRT: tl.constexpr):
+    """A state tile in fp32. 8-bit: ``sel`` is each element's scale index (its row's 64-column block)."""
     if KIND == 2:  # ptr: the codes as uint8
         y = _e4m3_decode(tl.load(ptr + offs, mask=mask, other=0))
-        s = tl.load(scale_ptr + srow, mask=rmask, other=1.0)  # one per tile row: its 64 columns are one block
-        y = y * s[:, None]
+        y = y * tl.load(scale_ptr + sel, mask=mask, other=1.0)  # each scale read from cache by its 64 columns
         if IS_SQRT:
             y = y * y
         return y
@@ -107,21 +107,23 @@ def _load_state(ptr, scale_ptr, offs, srow, mask, rmask, KIND: tl.constexpr, IS_
 
 
 @triton.jit
-def _store_state(ptr, scale_ptr, offs, srow, mask, x, rmask, key, idx, KIND: tl.constexpr, SR: tl.constexpr,
-                 IS_SQRT: tl.constexpr):
-    """Store an updated fp32 state tile as its kind; ``SR``: the second moment, rounded stochastically."""
+def _store_state(ptr, scale_ptr, offs, sblk, smask, mask, x, key, idx, KIND: tl.constexpr, SR: tl.constexpr,
+                 IS_SQRT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
+    """Store an updated fp32 state tile as its kind; ``SR``: the second moment, rounded stochastically. 8-bit:
+    the tile's rows hold ``BN // QB`` scale blocks each, at indices ``sblk`` ``[BM, BN // QB]`` (``smask``)."""
     if KIND == 2:
         if IS_SQRT:
             x = tl.sqrt_rn(x)
-        amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
+        NB: tl.constexpr = BN // QB
+        amax = tl.max(tl.reshape(tl.where(mask, tl.abs(x), 0.0), (BM, NB, QB)), axis=2)
         s = tl.where(amax > 0, tl.div_rn(amax, 224.0), 1.0)
-        y = tl.div_rn(x, s[:, None])
+        y = tl.div_rn(x, tl.reshape(tl.broadcast_to(s[:, :, None], (BM, NB, QB)), (BM, BN)))
         if IS_SQRT:  # keep_positive: no denominator flushes to code 0
             y = tl.maximum(y, 0.001953125)
         if SR:
             y = _round_stochastic(y, _hash_bits(key, idx, 20), 20)
         tl.store(ptr + offs, _e4m3_encode(y), mask=mask)
-        tl.store(scale_ptr + srow, s, mask=rmask)
+        tl.store(scale_ptr + sblk, s, mask=smask)
     elif KIND == 1:
         if SR:
             x = _round_stochastic(x, _hash_bits(key, idx, 16), 16)
@@ -194,10 +196,14 @@ def _forge_linear_kernel(
         # element index in the parameter (row-major), for the rounding noise: the twin hashes the same index
         idx = (rows[:, None] * IN + cols[None, :]).to(tl.uint32, bitcast=True) + idx_off.to(tl.uint32, bitcast=True)
         soffs = rows[:, None] * IN + cols[None, :]  # state tensors are contiguous
-        srow = rows * S_COLS + pid_n  # 8-bit scales: [OUT, S_COLS], block pid_n of each row
+        # 8-bit scales: [OUT, S_COLS], one per row and 64-column block; a tile row spans BN // 64 of them
+        sel = rows[:, None] * S_COLS + cols[None, :] // 64
+        bidx = pid_n * (BN // 64) + tl.arange(0, BN // 64)
+        sblk = rows[:, None] * S_COLS + bidx[None, :]
+        smask = rmask[:, None] & (bidx < S_COLS)[None, :]
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_M:
-            m = _load_state(m_ptr, ms_ptr, soffs, srow, mask, rmask, M_KIND, False)
+            m = _load_state(m_ptr, ms_ptr, soffs, sel, mask, M_KIND, False)
         if RULE == 2:  # SGD: L2 decay into the direction, then momentum (torch.optim.SGD's order)
             d = g + wd * w
             if HAS_M:
@@ -218,16 +224,16 @@ def _forge_linear_kernel(
             m = m + (g - m) * omb2
         else:  # AdamW
             w = w * (1.0 - lr * wd)
-            v = _load_state(v_ptr, vs_ptr, soffs, srow, mask, rmask, V_KIND, True)
+            v = _load_state(v_ptr, vs_ptr, soffs, sel, mask, V_KIND, True)
             m = m + (g - m) * omb1  # lerp, as torch's lerp_ (an FMA on CPU)
             v = v * beta2 + omb2 * g * g
             denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
             w = w + tl.div_rn(-(lr / bc1) * m, denom)
-            _store_state(v_ptr, vs_ptr, soffs, srow, mask, v, rmask, key_v.to(tl.uint32, bitcast=True), idx,
-                         V_KIND, True, True)
+            _store_state(v_ptr, vs_ptr, soffs, sblk, smask, mask, v, key_v.to(tl.uint32, bitcast=True), idx,
+                         V_KIND, True, True, BM, BN, 64)
         if HAS_M:
-            _store_state(m_ptr, ms_ptr, soffs, srow, mask, m, rmask, key_v.to(tl.uint32, bitcast=True), idx,
-                         M_KIND, False, False)
+            _store_state(m_ptr, ms_ptr, soffs, sblk, smask, mask, m, key_v.to(tl.uint32, bitcast=True), idx,
+                         M_KIND, False, False, BM, BN, 64)
         if W_BF16 and W_SR:
             w = _round_stochastic(w, _hash_bits(key_w.to(tl.uint32, bitcast=True), idx, 16), 16)
         elif W_BF16:
@@ -306,11 +312,11 @@ def linear_weight_step(
     m_kind, v_kind = _kind(m), _kind(v)
     norm, bad = _sums(sums, w.device)
     lowp = dy.dtype in (torch.bfloat16, torch.float16) and x.dtype == dy.dtype
-    # with 8-bit state a tile is one scale block (K.Q_BLOCK columns) wide, so a tile's row owns its block's scale;
-    # the epilogue's weight and state tiles stay in registers
+    # the epilogue's weight and state tiles stay in registers; a tile row spans whole 8-bit scale blocks
     cfg = LINEAR_TILES["lowp" if lowp else "fp32"]
-    bm, bk = cfg["bm"], cfg["bk"]
-    bn = K.Q_BLOCK if Q8 in (m_kind, v_kind) else cfg.get("bn", K.Q_BLOCK)
+    bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
+    if bn % K.Q_BLOCK:
+        raise ValueError(f"LINEAR_TILES: bn must be a multiple of {K.Q_BLOCK} (an 8-bit scale block); got {bn}")
     seeds = K.rounding_seeds(seed, names)
     m_scale = st.get(names[0] + ".scale", w) if names else w  # w: a placeholder pointer where no scales exist
     b1, b2, omb1, omb2, eps, bc1, bc2_sqrt = ra["scalars"]

@@ -206,8 +206,9 @@ if __name__ == "__main__":
                    for state in ("bf16", "8bit") for sr in (False, True)) <= 0.01
     bf16_ok &= max(check_update(rule, case, dev) for rule in rules
                    for case in ("gain", "bf16_block", "8bit")) <= 0.01
-    # wider tiles (LINEAR_TILES' bn, which benchmarks.forge_launch --sweep times): the same results; 8-bit state
-    # keeps one scale block per tile
+    # wider tiles (LINEAR_TILES' bn, which benchmarks.forge_launch --sweep times): the same results; with 8-bit
+    # state a tile row then spans two scale blocks (136 columns: the second tile holds a partial block and one past
+    # the end of the row)
     saved = {k: dict(v) for k, v in T.LINEAR_TILES.items()}
     try:
         for v in T.LINEAR_TILES.values():
