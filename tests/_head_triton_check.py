@@ -56,6 +56,32 @@ def recompute_case(dev, n, h, v, chunk, softcap=None, scale=1.0, bias=False, acc
     return max(errs)
 
 
+def consumer_case(dev, n, h, v, block_bytes, dtype=torch.float32, seed=2):
+    """head_backward_vocab_blocks (FORGE's head): the blocks handed to the consumer and dX, Triton vs torch twin."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dev, dtype)
+    w = (torch.randn(v, h, generator=g) * 0.3).to(dev, dtype)
+    b = (torch.randn(v, generator=g) * 0.1).to(dev, dtype)
+    t = torch.randint(0, v, (n,), generator=g).to(dev)
+    ep = K.Epilogue.make(logit_scale=0.5, softcap=3.0)
+    lse = K.head_stats(x, w, b, t, ep, chunk_size=8).lse
+    coef = [torch.randn(n, generator=g).to(dev) for _ in range(4)]
+    got = []
+    for impl in (K, T):
+        dw, db, spans = torch.zeros_like(w), torch.zeros_like(b), []
+
+        def keep(v0, v1, dw_blk, db_blk, dw=dw, db=db, spans=spans):
+            dw[v0:v1], db[v0:v1] = dw_blk, db_blk
+            spans.append((v0, v1))
+
+        dx, _ = impl.head_backward_vocab_blocks(x, w, b, t, lse, ep, *coef, keep, block_bytes=block_bytes,
+                                                weight_block_bytes=block_bytes, need_db=True)
+        assert spans[0][0] == 0 and spans[-1][1] == v and len(spans) > 2, spans
+        assert all(a[1] == c[0] for a, c in zip(spans, spans[1:], strict=False))
+        got.append((dx, dw, db))
+    return max(rel(o, r) for o, r in zip(got[1], got[0], strict=True))
+
+
 def end_to_end(dev):
     from memgrad_hf.functional import linear_cross_entropy
 
@@ -105,6 +131,9 @@ if __name__ == "__main__":
         err = recompute_case(dev, **kw)
         worst = max(worst, err)
         print(f"fp32 stats + backward, {name}: max rel err {err:.2e}")
+    err = consumer_case(dev, n=21, h=16, v=1000, block_bytes=8 * 21 * 16)
+    worst = max(worst, err)
+    print(f"fp32 weight-gradient blocks to a consumer (FORGE's head): max rel err {err:.2e}")
     err = end_to_end(dev)
     worst = max(worst, err)
     print(f"linear_cross_entropy + linear_logprobs, MEMGRAD_BACKEND=triton vs torch: max rel err {err:.2e}")
@@ -119,6 +148,8 @@ if __name__ == "__main__":
         # the GRPO schedule on bf16 weights: fp32-accumulated vocabulary blocks (4194 rows, aligned down to 4096)
         err2 = recompute_case(dev, n=500, h=256, v=32768, chunk=64, dtype=torch.bfloat16)
         print(f"bf16 stats + backward, vocabulary-block walk: max rel err {err2:.2e}")
-        ok = ok and err < 2e-2 and err2 < 2e-2
+        err3 = consumer_case(dev, n=512, h=256, v=32768, block_bytes=4 << 20, dtype=torch.bfloat16)
+        print(f"bf16 weight-gradient blocks to a consumer: max rel err {err3:.2e}")
+        ok = ok and err < 2e-2 and err2 < 2e-2 and err3 < 2e-2
     print(f"max relative error {worst:.3e}")
     sys.exit(0 if ok else 1)

@@ -387,8 +387,8 @@ def head_backward_vocab_blocks(
     delta: Tensor | None,
     on_weight_block: Callable[[int, int, Tensor, Tensor | None], None],
     *,
-    block_bytes: int = 32 << 20,
-    weight_block_bytes: int = 4 << 20,
+    block_bytes: int | None = None,
+    weight_block_bytes: int | None = None,
     need_dx: bool = True,
     need_db: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
@@ -397,8 +397,9 @@ def head_backward_vocab_blocks(
     db_blk)`` at once (an optimizer applies it and drops it); the full ``dW`` never exists. Returns ``(dX, db)``
     with ``db`` None (it went to the callback). ``lse`` from the forward makes each block's softmax exact.
     A block keeps both its ``[tokens x block]`` logits under ``block_bytes`` and its ``[block x hidden]`` weight
-    gradient under ``weight_block_bytes``."""
+    gradient under ``weight_block_bytes`` (None: 32 MiB and 4 MiB, cache-sized work for a CPU)."""
     n, vocab = hidden.shape[0], weight.shape[0]
+    block_bytes, weight_block_bytes = block_bytes or (32 << 20), weight_block_bytes or (4 << 20)
     vb = aligned_block(min(vocab, block_bytes // max(4 * n, 1), weight_block_bytes // max(4 * hidden.shape[1], 1)))
     dx = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dx else None
     lp = weight.dtype != torch.float32

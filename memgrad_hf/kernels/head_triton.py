@@ -9,15 +9,18 @@ and TRL on an H100, benchmarks/RESULTS.md). The epilogue (logit scale, softcap, 
 The recompute schedule (per-token statistics in forward, gradients in backward: log-probs, entropies, GRPO) runs
 on two more row kernels: :func:`head_stats` (one online pass: ``lse``, target logit, entropy, mean logit) and
 :func:`head_backward` (``dL/du`` from the per-token coefficients, in place). Low-precision weights with the fp32
-accumulator walk the vocabulary in blocks, as the torch path does, so no fp32 ``[V x H]`` buffer exists. The
-diagnostics ``Σp²`` / target-is-top-1 and the FORGE block consumer (:func:`head_backward_vocab_blocks`) are the
-torch path's, re-exported so that this module serves :func:`memgrad_hf.kernels.head_impl` whole.
+accumulator walk the vocabulary in blocks (:func:`head_backward_vocab_blocks`, which also hands each block's
+weight gradient to FORGE), as the torch path does, so no fp32 ``[V x H]`` buffer exists. The diagnostics ``Σp²`` /
+target-is-top-1 are the torch path's, re-exported so that this module serves :func:`memgrad_hf.kernels.head_impl`
+whole.
 
 Tested against the torch twin under ``TRITON_INTERPRET=1`` (``tests/_head_triton_check.py``) and compiled on an
 H100; the default on CUDA (``MEMGRAD_BACKEND=torch`` selects the torch path), measured 2.0-2.7x faster than it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -32,7 +35,6 @@ from memgrad_hf.kernels.head import (  # noqa: F401  (the torch path's other sch
     _mm_f32,
     aligned_block,
     default_chunk_size,
-    head_backward_vocab_blocks,
 )
 
 PREFERS_FUSED = True  # functional.linear_cross_entropy: gradients in the forward pass by default with this backend
@@ -305,8 +307,8 @@ def head_backward(
     n, vocab = hidden.shape[0], weight.shape[0]
     coef = [alpha, beta, gamma, delta]
     if need_dw and weight.dtype != accum_dtype:
-        return _backward_vocab_blocks(hidden, weight, bias, targets, lse, ep, coef, need_dx=need_dx,
-                                      need_db=need_db, chunk_size=chunk_size)
+        return _backward_low_precision(hidden, weight, bias, targets, lse, ep, coef, need_dx=need_dx,
+                                       need_db=need_db, chunk_size=chunk_size)
     dx = torch.empty_like(hidden) if need_dx else None
     dw = _dw_buffer(weight, n, accum_dtype) if need_dw else None
     db = torch.zeros(vocab, dtype=accum_dtype, device=weight.device) if need_db else None
@@ -325,30 +327,69 @@ def head_backward(
     return dx, dw, db
 
 
-def _backward_vocab_blocks(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor,
-                           ep: Epilogue, coef: list[Tensor | None], *, need_dx: bool, need_db: bool,
-                           chunk_size: int) -> tuple[Tensor | None, Tensor, Tensor | None]:
+def _backward_low_precision(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor,
+                            ep: Epilogue, coef: list[Tensor | None], *, need_dx: bool, need_db: bool,
+                            chunk_size: int) -> tuple[Tensor | None, Tensor, Tensor | None]:
     """Low-precision weights, fp32 accumulation: each vocabulary block's ``dW`` is summed over every token in fp32
     and rounded once into the weight's dtype; ``dX`` accumulates in fp32 across blocks (as the torch path)."""
-    n, vocab = hidden.shape[0], weight.shape[0]
     dw = torch.empty_like(weight)
     db = torch.empty_like(bias) if need_db and bias is not None else None
-    dx = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dx else None
+
+    def keep(v0: int, v1: int, dw_blk: Tensor, db_blk: Tensor | None) -> None:
+        dw[v0:v1] = dw_blk
+        if db is not None:
+            db[v0:v1] = db_blk
+
     # a block's logits [n x vb] in the weight's dtype take about what one token chunk's full row would
-    vb = aligned_block(min(vocab, (chunk_size * vocab) // max(n, 1)))
-    inside_t = targets
+    dx, _ = head_backward_vocab_blocks(hidden, weight, bias, targets, lse, ep, *coef, keep,
+                                       block_bytes=chunk_size * weight.shape[0] * weight.element_size(),
+                                       weight_block_bytes=weight.numel() * 4, need_dx=need_dx, need_db=db is not None)
+    return dx, dw, db
+
+
+def head_backward_vocab_blocks(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    lse: Tensor,
+    ep: Epilogue,
+    alpha: Tensor,
+    beta: Tensor | None,
+    gamma: Tensor | None,
+    delta: Tensor | None,
+    on_weight_block: Callable[[int, int, Tensor, Tensor | None], None],
+    *,
+    block_bytes: int | None = None,
+    weight_block_bytes: int | None = None,
+    need_dx: bool = True,
+    need_db: bool = False,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Same contract as the torch twin :func:`memgrad_hf.kernels.head.head_backward_vocab_blocks`: walk the
+    vocabulary in row blocks over every token at once, hand each block's complete weight (and bias) gradient to
+    ``on_weight_block(v0, v1, dW_blk, db_blk)`` (in the weight's dtype, summed in fp32 and rounded once), return
+    ``(dX, None)``. The logits block and ``dL/du`` live in the weight's dtype (the row kernel writes ``dL/du`` over
+    the logits); budgets default to GPU-sized work (None: 256 MiB of logits, 64 MiB of fp32 weight gradient — what
+    FORGE takes per tile on a GPU), a block a few large GEMMs rather than many small launches."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    block_bytes, weight_block_bytes = block_bytes or (256 << 20), weight_block_bytes or (64 << 20)
+    vb = aligned_block(min(vocab, block_bytes // max(weight.element_size() * n, 1),
+                           weight_block_bytes // max(4 * hidden.shape[1], 1)))
+    lp = weight.dtype != torch.float32
+    dx = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dx else None
     for v0 in range(0, vocab, vb):
         v1 = min(v0 + vb, vocab)
         w_blk = weight[v0:v1]
-        du = _logits(hidden, w_blk, None if bias is None else bias[v0:v1],
-                     torch.empty(n, v1 - v0, dtype=weight.dtype, device=hidden.device))
-        gamma = coef[2]
-        if gamma is not None:  # the target term only where the target falls in this block
-            gamma = gamma * ((inside_t >= v0) & (inside_t < v1))
-        _grad_rows(du, v0, targets, lse, [coef[0], coef[1], gamma, coef[3]], ep)
+        b_blk = None if bias is None else bias[v0:v1]
+        du = _logits(hidden, w_blk, b_blk, torch.empty(n, v1 - v0, dtype=weight.dtype, device=hidden.device))
+        g_blk = gamma
+        if g_blk is not None:  # the target term only where the target falls in this block (no host sync)
+            g_blk = g_blk * ((targets >= v0) & (targets < v1))
+        _grad_rows(du, v0, targets, lse, [alpha, beta, g_blk, delta], ep)
         if dx is not None:
-            _mm_f32(du, w_blk, dx)
-        dw[v0:v1] = _mm_f32(du.t(), hidden).to(weight.dtype)
-        if db is not None:
-            db[v0:v1] = du.sum(0, dtype=torch.float32).to(db.dtype)
-    return (None if dx is None else dx.to(hidden.dtype)), dw, db
+            _mm_f32(du, w_blk, dx) if lp else dx.addmm_(du, w_blk)
+        dw_blk = _mm_f32(du.t(), hidden).to(weight.dtype) if lp else du.t() @ hidden
+        db_blk = du.sum(0, dtype=torch.float32).to(bias.dtype) if (need_db and bias is not None) else None
+        del du
+        on_weight_block(v0, v1, dw_blk, db_blk)
+    return (None if dx is None else dx.to(hidden.dtype)), None

@@ -40,9 +40,10 @@ def main() -> int:
     # FORGE in vocabulary blocks, against the unpatched model under adamw_torch
     from memgrad_hf.kernels import head_triton as H
 
-    stats_calls = []
-    original_stats = H.head_stats
+    stats_calls, block_calls = [], []
+    original_stats, original_blocks = H.head_stats, H.head_backward_vocab_blocks
     H.head_stats = lambda *a, **k: stats_calls.append(1) or original_stats(*a, **k)
+    H.head_backward_vocab_blocks = lambda *a, **k: block_calls.append(1) or original_blocks(*a, **k)
     model = tiny_model("llama")
     ref = copy.deepcopy(model)
     memgrad_hf.patch_model(model, chunk_size=5)  # several chunks (and a partial one) of the 2 x 16 tokens
@@ -51,9 +52,11 @@ def main() -> int:
         _, lb, _ = _train(ref, _args(Path(tmp) / "r", "adamw_torch", max_grad_norm=0.05))
     pairs = zip(model.parameters(), ref.parameters(), strict=True)
     err_head = max(((p - q).abs().max() / q.abs().max()).item() for p, q in pairs)
-    print(f"patch_model + forge_adamw (Triton head and updates): {len(stats_calls)} Triton head_stats calls; "
-          f"losses {la} vs {lb}; max relative weight error {err_head:.2e}")
-    ok &= len(stats_calls) > 0 and err_head < 1e-5 and max(abs(a - b) / b for a, b in zip(la, lb, strict=True)) < 1e-5
+    print(f"patch_model + forge_adamw (Triton head and updates): {len(stats_calls)} Triton head_stats calls, "
+          f"{len(block_calls)} Triton vocabulary-block backward calls; losses {la} vs {lb}; max relative weight error "
+          f"{err_head:.2e}")
+    ok &= len(stats_calls) > 0 and len(block_calls) > 0 and err_head < 1e-5
+    ok &= max(abs(a - b) / b for a, b in zip(la, lb, strict=True)) < 1e-5
     return 0 if ok else 1
 
 
