@@ -369,10 +369,10 @@ def head_backward_vocab_blocks(
     vocabulary in row blocks over every token at once, hand each block's complete weight (and bias) gradient to
     ``on_weight_block(v0, v1, dW_blk, db_blk)`` (in the weight's dtype, summed in fp32 and rounded once), return
     ``(dX, None)``. The logits block and ``dL/du`` live in the weight's dtype (the row kernel writes ``dL/du`` over
-    the logits); budgets default to GPU-sized work (None: 256 MiB of logits, 64 MiB of fp32 weight gradient — what
+    the logits); budgets default to GPU-sized work (None: 128 MiB of logits, 64 MiB of fp32 weight gradient — what
     FORGE takes per tile on a GPU), a block a few large GEMMs rather than many small launches."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    block_bytes, weight_block_bytes = block_bytes or (256 << 20), weight_block_bytes or (64 << 20)
+    block_bytes, weight_block_bytes = block_bytes or (128 << 20), weight_block_bytes or (64 << 20)
     vb = aligned_block(min(vocab, block_bytes // max(weight.element_size() * n, 1),
                            weight_block_bytes // max(4 * hidden.shape[1], 1)))
     lp = weight.dtype != torch.float32
