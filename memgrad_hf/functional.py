@@ -96,9 +96,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 def _hand_over(consumer: Any, dw: Tensor, grad: Tensor, retain: bool) -> None:
-    """Give a weight gradient held since forward to ``consumer`` in blocks of vocabulary rows (~4 MiB each),
-    scaled by the loss's incoming gradient; the blocks are scaled in place unless the buffer must survive."""
-    rows = max(1, (4 << 20) // max(4 * dw.shape[1], 1))
+    """Give a weight gradient held since forward to ``consumer`` in blocks of vocabulary rows (~4 MiB each; 64 MiB
+    on a GPU, where each block is a kernel launch), scaled by the loss's incoming gradient; the blocks are scaled in
+    place unless the buffer must survive."""
+    rows = max(1, ((64 if dw.is_cuda else 4) << 20) // max(4 * dw.shape[1], 1))
     for v0 in range(0, dw.shape[0], rows):
         v1 = min(v0 + rows, dw.shape[0])
         block = dw[v0:v1] * grad.to(dw.dtype) if retain else dw[v0:v1].mul_(grad.to(dw.dtype))
