@@ -40,6 +40,7 @@ from memgrad_hf.kernels.head import (  # noqa: F401  (the torch path's other sch
 PREFERS_FUSED = True  # functional.linear_cross_entropy: gradients in the forward pass by default with this backend
 _GRAD_BLOCK = 1024  # columns per program of the gradient kernel
 
+
 @triton.jit
 def _tanh(x):
     """tanh in fp32 to ~4e-7 relative, the same code compiled and interpreted (the interpreter has no libdevice
