@@ -95,11 +95,18 @@ def _e4m3_encode(y):
 
 
 @triton.jit
-def _load_state(ptr, scale_ptr, offs, sel, mask, KIND: tl.constexpr, IS_SQRT: tl.constexpr):
-    """A state tile in fp32. 8-bit: ``sel`` is each element's scale index (its row's 64-column block)."""
+def _per_block(s, BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
+    """``[BM, BN // QB]`` per-block values spread over their ``QB`` columns each: ``[BM, BN]``."""
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (BM, BN // QB, QB)), (BM, BN))
+
+
+@triton.jit
+def _load_state(ptr, scale_ptr, offs, sblk, smask, mask, KIND: tl.constexpr, IS_SQRT: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
+    """A state tile in fp32. 8-bit: the tile's rows hold ``BN // QB`` scale blocks each, at indices ``sblk``."""
     if KIND == 2:  # ptr: the codes as uint8
         y = _e4m3_decode(tl.load(ptr + offs, mask=mask, other=0))
-        y = y * tl.load(scale_ptr + sel, mask=mask, other=1.0)  # each scale read from cache by its 64 columns
+        y = y * _per_block(tl.load(scale_ptr + sblk, mask=smask, other=1.0), BM, BN, QB)
         if IS_SQRT:
             y = y * y
         return y
@@ -117,7 +124,7 @@ def _store_state(ptr, scale_ptr, offs, sblk, smask, mask, x, key, idx, KIND: tl.
         NB: tl.constexpr = BN // QB
         amax = tl.max(tl.reshape(tl.where(mask, tl.abs(x), 0.0), (BM, NB, QB)), axis=2)
         s = tl.where(amax > 0, tl.div_rn(amax, 224.0), 1.0)
-        y = tl.div_rn(x, tl.reshape(tl.broadcast_to(s[:, :, None], (BM, NB, QB)), (BM, BN)))
+        y = tl.div_rn(x, _per_block(s, BM, BN, QB))
         if IS_SQRT:  # keep_positive: no denominator flushes to code 0
             y = tl.maximum(y, 0.001953125)
         if SR:
@@ -197,13 +204,12 @@ def _forge_linear_kernel(
         idx = (rows[:, None] * IN + cols[None, :]).to(tl.uint32, bitcast=True) + idx_off.to(tl.uint32, bitcast=True)
         soffs = rows[:, None] * IN + cols[None, :]  # state tensors are contiguous
         # 8-bit scales: [OUT, S_COLS], one per row and 64-column block; a tile row spans BN // 64 of them
-        sel = rows[:, None] * S_COLS + cols[None, :] // 64
         bidx = pid_n * (BN // 64) + tl.arange(0, BN // 64)
         sblk = rows[:, None] * S_COLS + bidx[None, :]
         smask = rmask[:, None] & (bidx < S_COLS)[None, :]
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_M:
-            m = _load_state(m_ptr, ms_ptr, soffs, sel, mask, M_KIND, False)
+            m = _load_state(m_ptr, ms_ptr, soffs, sblk, smask, mask, M_KIND, False, BM, BN, 64)
         if RULE == 2:  # SGD: L2 decay into the direction, then momentum (torch.optim.SGD's order)
             d = g + wd * w
             if HAS_M:
@@ -224,7 +230,7 @@ def _forge_linear_kernel(
             m = m + (g - m) * omb2
         else:  # AdamW
             w = w * (1.0 - lr * wd)
-            v = _load_state(v_ptr, vs_ptr, soffs, sel, mask, V_KIND, True)
+            v = _load_state(v_ptr, vs_ptr, soffs, sblk, smask, mask, V_KIND, True, BM, BN, 64)
             m = m + (g - m) * omb1  # lerp, as torch's lerp_ (an FMA on CPU)
             v = v * beta2 + omb2 * g * g
             denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
