@@ -97,6 +97,8 @@ def _e4m3_encode(y):
 @triton.jit
 def _per_block(s, BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
     """``[BM, BN // QB]`` per-block values spread over their ``QB`` columns each: ``[BM, BN]``."""
+    if BN == QB:  # one block per row (the default tiles): a plain broadcast, no reshape
+        return tl.broadcast_to(s, (BM, BN))
     return tl.reshape(tl.broadcast_to(s[:, :, None], (BM, BN // QB, QB)), (BM, BN))
 
 
@@ -121,8 +123,11 @@ def _store_state(ptr, scale_ptr, offs, sblk, smask, mask, x, key, idx, KIND: tl.
     if KIND == 2:
         if IS_SQRT:
             x = tl.sqrt_rn(x)
-        NB: tl.constexpr = BN // QB
-        amax = tl.max(tl.reshape(tl.where(mask, tl.abs(x), 0.0), (BM, NB, QB)), axis=2)
+        ax = tl.where(mask, tl.abs(x), 0.0)
+        if BN == QB:
+            amax = tl.max(ax, axis=1, keep_dims=True)  # [BM, 1]
+        else:
+            amax = tl.max(tl.reshape(ax, (BM, BN // QB, QB)), axis=2)
         s = tl.where(amax > 0, tl.div_rn(amax, 224.0), 1.0)
         y = tl.div_rn(x, _per_block(s, BM, BN, QB))
         if IS_SQRT:  # keep_positive: no denominator flushes to code 0
