@@ -361,6 +361,16 @@ def _backward_low_precision(hidden: Tensor, weight: Tensor, bias: Tensor | None,
     """``head_backward`` for low-precision weights with an fp32 weight-gradient accumulator, in vocabulary blocks:
     each block's ``dW`` is summed over every token in fp32 and rounded once into the weight's dtype (as autograd's
     single GEMM does), so no fp32 ``[vocab x hidden]`` accumulator (4·V·H bytes) nor its final copy ever exists."""
+    return grads_from_blocks(head_backward_vocab_blocks, hidden, weight, bias, targets, lse, ep,
+                             [alpha, beta, gamma, delta], need_dx=need_dx, need_db=need_db)
+
+
+def grads_from_blocks(vocab_blocks: Callable[..., tuple[Tensor | None, Tensor | None]], hidden: Tensor,
+                      weight: Tensor, bias: Tensor | None, targets: Tensor, lse: Tensor, ep: Epilogue,
+                      coef: list[Tensor | None], *, need_dx: bool, need_db: bool, **budgets: int,
+                      ) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """``(dX, dW, db)`` from a ``head_backward_vocab_blocks`` (either backend's): each block's gradient is written
+    into ``dW`` (and ``db``), in the weight's dtype, as it completes."""
     dw = torch.empty_like(weight)
     db = torch.empty_like(bias) if need_db and bias is not None else None
 
@@ -369,8 +379,8 @@ def _backward_low_precision(hidden: Tensor, weight: Tensor, bias: Tensor | None,
         if db is not None:
             db[v0:v1] = db_blk
 
-    dx, _ = head_backward_vocab_blocks(hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta, keep,
-                                       need_dx=need_dx, need_db=db is not None)
+    dx, _ = vocab_blocks(hidden, weight, bias, targets, lse, ep, *coef, keep, need_dx=need_dx,
+                         need_db=db is not None, **budgets)
     return dx, dw, db
 
 

@@ -35,6 +35,7 @@ from memgrad_hf.kernels.head import (  # noqa: F401  (the torch path's other sch
     _mm_f32,
     aligned_block,
     default_chunk_size,
+    grads_from_blocks,
 )
 
 PREFERS_FUSED = True  # functional.linear_cross_entropy: gradients in the forward pass by default with this backend
@@ -332,20 +333,12 @@ def _backward_low_precision(hidden: Tensor, weight: Tensor, bias: Tensor | None,
                             ep: Epilogue, coef: list[Tensor | None], *, need_dx: bool, need_db: bool,
                             chunk_size: int) -> tuple[Tensor | None, Tensor, Tensor | None]:
     """Low-precision weights, fp32 accumulation: each vocabulary block's ``dW`` is summed over every token in fp32
-    and rounded once into the weight's dtype; ``dX`` accumulates in fp32 across blocks (as the torch path)."""
-    dw = torch.empty_like(weight)
-    db = torch.empty_like(bias) if need_db and bias is not None else None
-
-    def keep(v0: int, v1: int, dw_blk: Tensor, db_blk: Tensor | None) -> None:
-        dw[v0:v1] = dw_blk
-        if db is not None:
-            db[v0:v1] = db_blk
-
-    # a block's logits [n x vb] in the weight's dtype take about what one token chunk's full row would
-    dx, _ = head_backward_vocab_blocks(hidden, weight, bias, targets, lse, ep, *coef, keep,
-                                       block_bytes=chunk_size * weight.shape[0] * weight.element_size(),
-                                       weight_block_bytes=weight.numel() * 4, need_dx=need_dx, need_db=db is not None)
-    return dx, dw, db
+    and rounded once into the weight's dtype; ``dX`` accumulates in fp32 across blocks (as the torch path). A
+    block's logits ``[n x vb]`` in the weight's dtype take about what one token chunk's full row would."""
+    return grads_from_blocks(head_backward_vocab_blocks, hidden, weight, bias, targets, lse, ep, coef,
+                             need_dx=need_dx, need_db=need_db,
+                             block_bytes=chunk_size * weight.shape[0] * weight.element_size(),
+                             weight_block_bytes=weight.numel() * 4)
 
 
 def head_backward_vocab_blocks(
