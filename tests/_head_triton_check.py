@@ -141,8 +141,15 @@ if __name__ == "__main__":
 
     kernels._smoke_head_triton(dev)  # what decides, once per process, whether the default Triton head is used
     print("default-head smoke test: passed")
+    # bf16 weights: the logits come from the same torch GEMM and both round dL/du to nearest bf16 (the kernel by bit
+    # arithmetic: the interpreter's own cast truncates), so interpreted they agree to fp32 rounding
+    bf16 = max(case(dev, torch.bfloat16, n=40, h=32, v=1000, chunk=8, eps=0.1),
+               recompute_case(dev, n=50, h=32, v=1000, chunk=8, dtype=torch.bfloat16),
+               consumer_case(dev, n=40, h=32, v=1000, block_bytes=8 * 40 * 32, dtype=torch.bfloat16))
+    print(f"bf16 fused, recompute and consumer schedules: max rel err {bf16:.2e}")
+    worst = max(worst, bf16) if dev == "cpu" else worst
     ok = worst < 1e-5
-    if dev != "cpu":  # bf16: both round logits and dL/du to bf16 (in other orders): a bf16-level tolerance
+    if dev != "cpu":  # compiled: the exps differ in their last bits, so a bf16 rounding may fall the other way
         err = case(dev, torch.bfloat16, n=512, h=256, v=32768, chunk=256, eps=0.1)
         print(f"bf16 (8192-column blocks): max rel err {err:.2e}")
         # the GRPO schedule on bf16 weights: fp32-accumulated vocabulary blocks (4194 rows, aligned down to 4096)

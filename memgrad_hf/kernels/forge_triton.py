@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from memgrad_hf.kernels import forge as K
+from memgrad_hf.kernels.triton_common import round_bf16 as _round_bf16
 
 # State storage kinds (constexpr): fp32, bf16 (rounded to nearest; the second moment stochastically), 8-bit
 # (block-scaled e4m3 codes, blocks of 64 along a row = one tile's row; the second moment kept as sqrt(v)).
@@ -39,14 +40,6 @@ LINEAR_TILES = {
     "lowp": {"bm": 128, "bn": 64, "bk": 64, "num_warps": 8, "num_stages": 3},
     "fp32": {"bm": 64, "bn": 64, "bk": 32, "num_warps": 4, "num_stages": 3},
 }
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 -> nearest bf16 (ties to even), returned as fp32: bit arithmetic, so compiled and interpreted agree."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

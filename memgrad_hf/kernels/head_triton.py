@@ -37,6 +37,7 @@ from memgrad_hf.kernels.head import (  # noqa: F401  (the torch path's other sch
     default_chunk_size,
     grads_from_blocks,
 )
+from memgrad_hf.kernels.triton_common import round_bf16
 
 PREFERS_FUSED = True  # functional.linear_cross_entropy: gradients in the forward pass by default with this backend
 _GRAD_BLOCK = 1024  # columns per program of the gradient kernel
@@ -109,6 +110,8 @@ def _write_grad(base, ncols, t, lse, alpha, beta, gamma, delta, inp, out,
             g = g * (inp * out * (1.0 - th * th))
         else:
             g = g * inp
+        if base.dtype.element_ty == tl.bfloat16:  # round to nearest, compiled or interpreted alike
+            g = round_bf16(g)
         tl.store(base + cols, g.to(base.dtype.element_ty), mask=ok)
 
 
