@@ -5,11 +5,14 @@ Two tables.
 Kernel: one chunk's inner gradient plus retrieval for ``B`` independent memories (per-memory weights
 ``(B, D, H)``, ``(B, H, D)``, depth-2 GELU MLP with LayerNorm + residual): the manual kernel
 (``memgrad_hf.kernels.titans.memory_step``) against the ``torch.func.vmap(grad(...))`` reference
-(``memory_step_autograd``); on CUDA also the compiled Triton twin (``kernels.titans_triton.memory_step``, what
-``NeuralMemory`` dispatches to there). ``train``: the kernel forward plus the outer backward of a random projection
-of its outputs (second-order terms to weights, gamma, keys, values, queries and lr); ``fwd``: the kernel alone under
-``torch.no_grad()`` (inference). Every kernel is called as ``NeuralMemory`` calls it: ``return_loss=False`` (the
-per-token loss, which the layer does not use, is not returned; the reference computes it in any case).
+(``memory_step_autograd``). On CUDA ``manual`` is the GPU default (cuBLAS GEMMs, the row ops in two Triton kernels,
+``kernels.titans_rows_triton``), and two more peers run: ``manual_torch_rows`` (the same step with its row ops as ~11
+torch ops, as before those kernels) and ``triton`` (the opt-in whole-step Triton twin
+``kernels.titans_triton.memory_step``, Triton forward, torch-twin backward). ``train``: the kernel forward plus the
+outer backward of a random projection of its outputs (second-order terms to weights, gamma, keys, values, queries and
+lr); ``fwd``: the kernel alone under ``torch.no_grad()`` (inference). Every kernel is called as ``NeuralMemory`` calls
+it: ``return_loss=False`` (the per-token loss, which the layer does not use, is not returned; the reference computes
+it in any case).
 
 Layer: store + retrieve over a whole sequence, forward + backward of a random projection of the retrieved output,
 to every input and parameter. Peers: ``memgrad_hf.titans.NeuralMemory`` (manual kernel; and ``grad_impl="autograd"``,
@@ -35,7 +38,7 @@ import torch
 from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions
 
 KERNELS = ("manual", "autograd")
-GPU_KERNELS = ("triton", *KERNELS)  # on CUDA: the compiled Triton twin too (Triton forward, torch-twin backward)
+GPU_KERNELS = ("triton", "manual_torch_rows", *KERNELS)
 LAYERS = ("titans_pytorch", "memgrad", "memgrad_autograd")
 
 
@@ -57,7 +60,8 @@ def kernel_setup(device: str, impl: str, mode: str, b: int, c: int, d: int, h: i
         "gamma": t(b, d, scale=0.1),
         "k": t(b, c, d), "v": t(b, c, d), "q": t(b, c, d),
         "lr": (torch.rand(b, c, generator=g) * 0.1).to(device).requires_grad_(train),
-        "step": {"manual": K.memory_step, "autograd": K.memory_step_autograd}.get(impl) or T.memory_step,
+        "step": {"manual": K.memory_step, "autograd": K.memory_step_autograd,
+                 "manual_torch_rows": _torch_rows_step}.get(impl) or T.memory_step,
         "train": train,
         "inner": inner,
     }
@@ -65,6 +69,17 @@ def kernel_setup(device: str, impl: str, mode: str, b: int, c: int, d: int, h: i
         s["probes"] = [torch.randn(x.shape, generator=g).to(device) for x in (*s["ws"], s["gamma"], s["q"])]
     _warm(kernel_run, s, [*s["ws"], s["gamma"], s["k"], s["v"], s["q"], s["lr"]])
     return s
+
+
+def _torch_rows_step(*args, **kwargs):
+    """The manual step with its row ops in torch on any device (a peer: what the row kernels replace on a GPU)."""
+    from memgrad_hf.kernels import titans as K
+
+    rows_impl, K._rows_impl = K._rows_impl, lambda x: K
+    try:
+        return K.memory_step(*args, **kwargs)
+    finally:
+        K._rows_impl = rows_impl
 
 
 def _warm(run, s: dict, leaves: list[torch.Tensor]) -> None:

@@ -72,7 +72,8 @@ def _forced() -> str:
 
 
 def default_backend(family: str, device: torch.device | str | None = None) -> str:
-    """:func:`backend`, for the families whose Triton kernels are the default on a GPU (``"head"``, ``"forge"``):
+    """:func:`backend`, for the families whose Triton kernels are the default on a GPU (``"head"``, ``"forge"``,
+    ``"titans"``'s row ops):
     ``"triton"`` only once a smoke test of that family has built and run on ``device``'s kind in this process. A
     default must not stop training where Triton cannot build for the GPU or driver: there one warning names the
     error and the torch path serves every call. A forced ``MEMGRAD_BACKEND=triton`` is not second-guessed."""
@@ -133,7 +134,21 @@ def _smoke_forge_triton(kind: str) -> None:
                            f"{(out[0] - out[1]).abs().max().item():.3g}")
 
 
-_SMOKE_TESTS = {"head": _smoke_head_triton, "forge": _smoke_forge_triton}
+def _smoke_titans_triton(kind: str) -> None:
+    """The Titans row kernel (LayerNorm, loss gradient, LayerNorm backward), 2 memories x 4 tokens, against its twin."""
+    from memgrad_hf.kernels import titans as twin
+    from memgrad_hf.kernels import titans_rows_triton
+
+    g = torch.Generator().manual_seed(0)
+    m, k, v = (torch.randn(2, 4, 16, generator=g).to(kind) for _ in range(3))
+    lr, gamma = torch.rand(2, 4, generator=g).to(kind), torch.randn(16, generator=g).to(kind)
+    got, ref = (impl.ln_loss_grad(m, k, v, lr, gamma)[0] for impl in (titans_rows_triton, twin))
+    if not torch.allclose(got, ref, rtol=1e-4, atol=1e-6):
+        raise RuntimeError(f"smoke test: the Triton Titans row kernel differs from its torch twin by "
+                           f"{(got - ref).abs().max():.3g}")
+
+
+_SMOKE_TESTS = {"head": _smoke_head_triton, "forge": _smoke_forge_triton, "titans": _smoke_titans_triton}
 
 
 def titans_step_impl(device: torch.device | str | None = None):
@@ -143,7 +158,9 @@ def titans_step_impl(device: torch.device | str | None = None):
 
     Measured on an H100 (benchmarks/RESULTS.md, 2026-11-22): the Triton twin, one program per memory, is no faster
     than the torch kernel's batched cuBLAS GEMMs at D=64 and 2.2x slower at D=128, so it is opt-in. Both have the
-    same signature and return values. Imported lazily so CPU-only installs never import Triton.
+    same signature and return values. Imported lazily so CPU-only installs never import Triton. On a GPU the torch
+    kernel runs its row ops (LayerNorm, loss gradient, LayerNorm backward) through
+    :mod:`memgrad_hf.kernels.titans_rows_triton` by default (``default_backend("titans")``).
     """
     if backend(device) == "triton" and _forced() == "triton":
         from memgrad_hf.kernels.titans_triton import memory_step

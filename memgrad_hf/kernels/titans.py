@@ -29,6 +29,8 @@ Shapes: ``G`` independent memories (batch x heads), chunk of ``C`` tokens, head 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -36,6 +38,7 @@ from torch import Tensor
 LN_EPS = 1e-5
 ACTIVATIONS = ("gelu", "silu")
 _INV_SQRT_2PI = 0.3989422804014327
+_ROWS = sys.modules[__name__]  # this module's row ops (ln_loss_grad, ln_residual): the default ``rows`` of a step
 
 
 def _act(z: Tensor, activation: str) -> Tensor:
@@ -90,39 +93,82 @@ def _ln_backward(grad: Tensor, m: Tensor, mean: Tensor, rstd: Tensor) -> Tensor:
                                                      [True, False, False])[0]
 
 
-def _step_forward(weights: list[Tensor], gamma: Tensor, keys: Tensor, values: Tensor, lr: Tensor,
-                  queries: Tensor | None, activation: str, save: bool = True, return_loss: bool = True,
-                  ) -> tuple[tuple[Tensor | None, ...], dict]:
-    """The step's outputs ``(*grads, dgamma, token_loss, retrieved?)`` (``token_loss`` None unless ``return_loss``)
-    and (``save``) what its backward needs.
+def ln_loss_grad(m: Tensor, keys: Tensor, values: Tensor, lr: Tensor, gamma: Tensor, save: bool = False,
+                 return_loss: bool = False) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, ...] | None]:
+    """The row ops between the key path's last GEMM and its first gradient GEMM.
 
-    Temporaries are dropped as soon as they are used (the peak of one step is a few ``(G, C, H)`` tensors), and the
-    retrieval runs first so that its activations are gone before the key path allocates its own.
+    From the memory MLP's output ``m`` on the keys ``(G, C, D)``: ``h = LN(m)``, ``diff = h*(gamma+1) + k - v``, the
+    loss gradient ``dy = (2/D) lr diff``, ``dgamma = sum_t dy*h`` ``(G, D)`` and ``dm = LNb(dy*(gamma+1))``.
+
+    Returns:
+        ``(dm, dgamma, token_loss, saved)``: ``token_loss = mean_d diff^2`` ``(G, C)`` if ``return_loss`` else
+        ``None``; ``saved = (h, mean, rstd, diff)`` (``mean``/``rstd`` ``(G, C, 1)``) if ``save`` else ``None``.
+        :mod:`memgrad_hf.kernels.titans_rows_triton` has the same function in one launch.
     """
-    D = keys.shape[-1]
+    D = m.shape[-1]
     g1 = _g1(gamma)
-    saved: dict = {}
-    retrieved = None
-    if queries is not None:
-        # Keys and queries go through the MLP separately: concatenating them would cost a copy of both and slices of
-        # every intermediate, more than the larger GEMM saves.
-        mq, zqs, _ = _mlp(weights, queries, activation)
-        hq, meanq, rstdq = torch.ops.aten.native_layer_norm(mq, [D], None, None, LN_EPS)
-        retrieved = torch.addcmul(queries, hq, g1)
-        if save:
-            saved.update(zqs=zqs, mq=mq, hq=hq, meanq=meanq, rstdq=rstdq)
-        del mq, zqs, hq, meanq, rstdq
-    m, zs, acts = _mlp(weights, keys, activation)
     h, mean, rstd = torch.ops.aten.native_layer_norm(m, [D], None, None, LN_EPS)
     diff = torch.addcmul(keys - values, h, g1)  # M(k) - v
     token_loss = diff.pow(2).mean(-1) if return_loss else None  # two launches a chunk the memory layer skips
     dy = diff * (lr * (2.0 / D))[..., None]
     dgamma = (dy * h).sum(1)
     dm = _ln_backward(dy * g1, m, mean, rstd)
-    del dy
+    return dm, dgamma, token_loss, ((h, mean, rstd, diff) if save else None)
+
+
+def ln_residual(m: Tensor, x: Tensor, gamma: Tensor, save: bool = False,
+                ) -> tuple[Tensor, tuple[Tensor, ...] | None]:
+    """The retrieval's row ops: ``LN(m) * (gamma + 1) + x`` for the MLP output ``m`` on the queries ``x``.
+
+    Returns ``(out, saved)`` with ``saved = (h, mean, rstd)`` if ``save`` else ``None``; same function in
+    :mod:`memgrad_hf.kernels.titans_rows_triton`.
+    """
+    h, mean, rstd = torch.ops.aten.native_layer_norm(m, [m.shape[-1]], None, None, LN_EPS)
+    return torch.addcmul(x, h, _g1(gamma)), ((h, mean, rstd) if save else None)
+
+
+def _rows_impl(x: Tensor):
+    """The row ops for a step that autograd does not trace, on ``x``'s device: the Triton twin's one launch each on a
+    GPU (the step there is bound by launches: ~20 ops for ~1 GFLOP), this module's torch ops elsewhere. Under
+    ``torch.compile`` the torch ops, which inductor fuses itself."""
+    if x.device.type != "cuda" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        return _ROWS
+    from memgrad_hf import kernels
+
+    if kernels.default_backend("titans", x.device) != "triton":
+        return _ROWS
+    from memgrad_hf.kernels import titans_rows_triton
+
+    return titans_rows_triton
+
+
+def _step_forward(weights: list[Tensor], gamma: Tensor, keys: Tensor, values: Tensor, lr: Tensor,
+                  queries: Tensor | None, activation: str, save: bool = True, return_loss: bool = True,
+                  rows=None) -> tuple[tuple[Tensor | None, ...], dict]:
+    """The step's outputs ``(*grads, dgamma, token_loss, retrieved?)`` (``token_loss`` None unless ``return_loss``)
+    and (``save``) what its backward needs. ``rows``: the module whose :func:`ln_loss_grad` / :func:`ln_residual`
+    run the row ops (this one, or its Triton twin); autograd can only go through this module's.
+
+    Temporaries are dropped as soon as they are used (the peak of one step is a few ``(G, C, H)`` tensors), and the
+    retrieval runs first so that its activations are gone before the key path allocates its own.
+    """
+    rows = _ROWS if rows is None else rows
+    saved: dict = {}
+    retrieved = None
+    if queries is not None:
+        # Keys and queries go through the MLP separately: concatenating them would cost a copy of both and slices of
+        # every intermediate, more than the larger GEMM saves.
+        mq, zqs, _ = _mlp(weights, queries, activation)
+        retrieved, sq = rows.ln_residual(mq, queries, gamma, save)
+        if save:
+            saved.update(zqs=zqs, mq=mq, hq=sq[0], meanq=sq[1], rstdq=sq[2])
+        del mq, zqs, sq
+    m, zs, acts = _mlp(weights, keys, activation)
+    dm, dgamma, token_loss, sk = rows.ln_loss_grad(m, keys, values, lr, gamma, save, return_loss)
     if save:
+        h, mean, rstd, diff = sk
         saved.update(zs=list(zs), m=m, h=h, mean=mean, rstd=rstd, diff=diff, dm=dm)
-    del m, h, mean, rstd, diff
+    del m, sk
     grads: list[Tensor] = [None] * len(weights)  # type: ignore[list-item]
     gi = dm
     for i in range(len(weights) - 1, -1, -1):
@@ -199,7 +245,8 @@ class _MemoryStep(torch.autograd.Function):
                 ) -> tuple[Tensor | None, ...]:
         weights, (gamma, keys, values, lr) = list(tensors[:n_w]), tensors[n_w:n_w + 4]
         queries = tensors[n_w + 4] if has_q else None
-        outs, sv = _step_forward(weights, gamma, keys, values, lr, queries, activation, return_loss=return_loss)
+        outs, sv = _step_forward(weights, gamma, keys, values, lr, queries, activation, return_loss=return_loss,
+                                 rows=_rows_impl(keys))  # no autograd inside a Function's forward
         ctx.activation, ctx.n_w, ctx.has_q, ctx.device_type = activation, n_w, has_q, keys.device.type
         ctx.save_for_backward(*tensors, *_saved_list(sv, has_q))
         ctx.set_materialize_grads(False)  # outputs without a gradient add no work to the backward
@@ -421,7 +468,7 @@ def memory_step(
         outs = _MemoryStep.apply(activation, L, queries is not None, return_loss, *tensors)
     else:  # inference: no graph, nothing saved
         outs, _ = _step_forward(list(weights), gamma, keys, values, lr, queries, activation, save=False,
-                                return_loss=return_loss)
+                                return_loss=return_loss, rows=_rows_impl(keys))
     return list(outs[:L]), outs[L], (outs[L + 2] if queries is not None else None), outs[L + 1]
 
 

@@ -2,8 +2,11 @@
 
 Forward outputs (weight gradients, dgamma, retrieval, token loss) for depths 1-4, GELU and SiLU, shared 2-D and
 per-memory 3-D weights, with and without queries; then the autograd path once (Triton forward, torch-twin backward):
-first-order outer gradients and a double backward. On a GPU machine: ``python tests/titans/_triton_twin_check.py cuda``
-runs the compiled kernel instead. Prints one line per config and exits non-zero above 1e-5 relative error.
+first-order outer gradients and a double backward. Then the row kernels (``titans_rows_triton``, what the torch step
+uses on a GPU) against their twins, alone (masked sizes, strided inputs, every output flag) and inside the whole step,
+inference and autograd (the saved row tensors feed the hand-written outer backward).
+On a GPU machine: ``python tests/titans/_triton_twin_check.py cuda`` runs the compiled kernels instead. Prints one
+line per config and exits non-zero above 1e-5 relative error.
 """
 
 import sys
@@ -11,6 +14,7 @@ import sys
 import torch
 
 from memgrad_hf.kernels import titans as K
+from memgrad_hf.kernels import titans_rows_triton as R
 from memgrad_hf.kernels import titans_triton as T
 
 TOL = 1e-5
@@ -74,6 +78,50 @@ def check_autograd(device: str) -> float:
     return max(rel_err(b, a) for a, b in zip(*results, strict=True))
 
 
+def check_rows(device: str) -> float:
+    gen = torch.Generator().manual_seed(7)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device)
+    worst = 0.0
+    for G, C, D, shared, strided in [(3, 37, 48, False, False), (2, 16, 16, True, True), (1, 5, 300, True, True)]:
+        m = rand(G, C, D) * 2 + 0.3
+        k = rand(G, D, C).transpose(1, 2) if strided else rand(G, C, D)  # a projection's view, not contiguous
+        v, q = rand(G, C, D), rand(G, D, C).transpose(1, 2)
+        lr = torch.rand(G, C, generator=gen).to(device)
+        gamma = 0.1 * (rand(D) if shared else rand(D, G).t())
+        for save in (False, True):
+            for loss in (False, True):
+                a, b = K.ln_loss_grad(m, k, v, lr, gamma, save, loss), R.ln_loss_grad(m, k, v, lr, gamma, save, loss)
+                assert (a[2] is None) == (b[2] is None) and (a[3] is None) == (b[3] is None)
+                pairs = [(a[0], b[0]), (a[1], b[1]), *([(a[2], b[2])] if loss else [])]
+                pairs += zip(a[3] or (), b[3] or (), strict=True)
+                a, b = K.ln_residual(m, q, gamma, save), R.ln_residual(m, q, gamma, save)
+                pairs += [(a[0], b[0]), *zip(a[1] or (), b[1] or (), strict=True)]
+                for x, y in pairs:
+                    assert x.shape == y.shape, (x.shape, y.shape)
+                    worst = max(worst, rel_err(y, x))
+    print(f"row kernels alone: rel err {worst:.2e}")
+    ws, gamma, k, v, lr, q = make_inputs(3, False, device, g=3, c=40, d=12, e=3, cq=24, seed=11)
+    with torch.no_grad():
+        ref, _ = K._step_forward(ws, gamma, k, v, lr, q, "gelu", save=False)
+        out, _ = K._step_forward(ws, gamma, k, v, lr, q, "gelu", save=False, rows=R)
+    err = max(rel_err(b, a) for a, b in zip(ref, out, strict=True))
+    print(f"step with row kernels, inference: rel err {err:.2e}")
+    worst = max(worst, err)
+    leaves = [t.requires_grad_() for t in (*ws, gamma, k, v, lr, q)]
+    results = []
+    rows_impl = K._rows_impl
+    for impl in (rows_impl, lambda x: R):  # the Function's forward with the torch rows, then with the kernels
+        K._rows_impl = impl
+        grads, dgamma, retrieved, token_loss = K.memory_step(ws, gamma, k, v, lr, q, "silu")
+        outs = (*grads, dgamma, retrieved, token_loss)
+        probe = sum((o * torch.cos(torch.arange(o.numel(), device=device).view(o.shape) * 0.37)).sum() for o in outs)
+        results.append([*outs, *torch.autograd.grad(probe, leaves)])
+    K._rows_impl = rows_impl
+    err = max(rel_err(b, a) for a, b in zip(*results, strict=True))
+    print(f"step with row kernels, autograd (outputs + outer grads): rel err {err:.2e}")
+    return max(worst, err)
+
+
 def main(device: str) -> int:
     worst = 0.0
     for depth in (1, 2, 3, 4):
@@ -90,7 +138,7 @@ def main(device: str) -> int:
     worst = max(worst, err)
     err = check_autograd(device)
     print(f"autograd (outer grads + double backward): rel err {err:.2e}")
-    worst = max(worst, err)
+    worst = max(worst, check_rows(device), err)
     print(f"max relative error {worst:.3e}")
     return 0 if worst < TOL else 1
 

@@ -53,3 +53,43 @@ def test_triton_memory_step_rejects_what_it_cannot_take():
     with pytest.raises(ValueError, match="D=512"):
         big = torch.zeros(1, 2, 512)
         titans_triton.memory_step([torch.zeros(512, 512)], torch.zeros(512), big, big, torch.zeros(1, 2))
+
+
+def test_titans_row_kernels_dispatch(monkeypatch):
+    """The torch step's row ops: the Triton kernels on a GPU once the smoke test passed, torch on CPU, under
+    ``MEMGRAD_BACKEND=torch``, for non-fp32 tensors and while ``torch.compile`` traces."""
+    pytest.importorskip("triton")
+    import types
+
+    import torch
+
+    from memgrad_hf.kernels import titans, titans_rows_triton
+
+    monkeypatch.delenv("MEMGRAD_BACKEND", raising=False)
+    assert titans._rows_impl(torch.zeros(1)) is titans
+    gpu = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)  # only device and dtype are read
+    monkeypatch.setitem(kernels._TRITON_RUNS, ("titans", "cuda"), True)  # as after a passing smoke test
+    assert titans._rows_impl(gpu) is titans_rows_triton
+    assert titans._rows_impl(types.SimpleNamespace(device=gpu.device, dtype=torch.bfloat16)) is titans
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert titans._rows_impl(gpu) is titans
+    monkeypatch.undo()
+    monkeypatch.setenv("MEMGRAD_BACKEND", "torch")
+    assert titans._rows_impl(gpu) is titans
+    monkeypatch.setitem(kernels._TRITON_RUNS, ("titans", "cuda"), False)  # the smoke test failed on this GPU
+    monkeypatch.delenv("MEMGRAD_BACKEND")
+    assert titans._rows_impl(gpu) is titans
+
+
+def test_titans_row_kernels_reject_what_they_cannot_take():
+    pytest.importorskip("triton")
+    import torch
+
+    from memgrad_hf.kernels import titans_rows_triton
+
+    x = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="fp32"):
+        titans_rows_triton.ln_residual(x.double(), x, torch.zeros(8))
+    big = torch.zeros(1, 1, 9000)
+    with pytest.raises(ValueError, match="D=9000"):
+        titans_rows_triton.ln_residual(big, big, torch.zeros(9000))
