@@ -8,7 +8,8 @@
 # (vs titans-pytorch) and forge-7b not yet seen: plan device calls of <= 10 min around them. Open questions, in
 # order (2026-11-23): call 1 `checks head grpo` (aligned vocabulary blocks; the memgrad_recompute head peer), call 2
 # `forge-host forge-7b` (BN 128 tiles, 8-bit included; FORGE where a step is device-bound), call 3 `titans
-# titans-layer` (the kernel table without the unused loss; the layer against titans-pytorch), then `forge` and
+# titans-layer` (the kernel table with the Titans row kernels, peer manual_torch_rows without them, and without the
+# unused loss; the layer against titans-pytorch), then `forge` and
 # `head-profile` with what is left of the 30 minutes.
 set -u
 out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [checks titans titans-layer head grpo forge forge-profile]}
