@@ -52,6 +52,13 @@ def _act_backward(grad: Tensor, z: Tensor, activation: str) -> Tensor:
     return grad * s * (1 + z * (1 - s))
 
 
+def _matmul(a: Tensor, w: Tensor) -> Tensor:
+    """``a @ w`` for ``a`` ``(G, T, d_in)``: ``bmm`` for a per-memory weight (``matmul`` would wrap it in four view
+    ops and a copy-free reshape, each a dispatch on a launch-bound GPU step), one GEMM over all memories for a shared
+    2-D weight."""
+    return torch.bmm(a, w) if w.dim() == 3 else torch.matmul(a, w)
+
+
 def _batched(w: Tensor, g: int) -> Tensor:
     return w if w.dim() == 3 else w.expand(g, *w.shape)
 
@@ -66,7 +73,7 @@ def _mlp(weights: list[Tensor], x: Tensor, activation: str) -> tuple[Tensor, lis
             zs.append(h)
             h = _act(h, activation)
             acts.append(h)
-        h = torch.matmul(h, w)  # a shared 2-D weight becomes one GEMM over all memories
+        h = _matmul(h, w)
     return h, zs, acts
 
 
@@ -175,7 +182,7 @@ def _step_forward(weights: list[Tensor], gamma: Tensor, keys: Tensor, values: Te
         grads[i] = torch.bmm(acts[i].transpose(1, 2), gi)
         acts[i] = None  # type: ignore[call-overload]
         if i > 0:  # a shared 2-D weight: one GEMM over all memories, no expanded copy
-            gi = _act_backward(torch.matmul(gi, weights[i].transpose(-1, -2)), zs[i - 1], activation)
+            gi = _act_backward(_matmul(gi, weights[i].transpose(-1, -2)), zs[i - 1], activation)
             zs[i - 1] = None  # type: ignore[call-overload]
     outs: tuple[Tensor | None, ...] = (*grads, dgamma, token_loss)
     return (outs if retrieved is None else (*outs, retrieved)), saved
@@ -214,7 +221,7 @@ def _wgrad(a: Tensor, b: Tensor, shared: bool, acc: Tensor | None, inplace: bool
 def _mm(a: Tensor, w: Tensor, acc: Tensor | None, inplace: bool) -> Tensor:
     """``acc + a @ w`` (``w`` per memory or shared); ``inplace`` accumulates into ``acc`` (a fresh temporary)."""
     if acc is None:
-        return torch.matmul(a, w)
+        return _matmul(a, w)
     if w.dim() == 3:
         return acc.baddbmm_(a, w) if inplace else torch.baddbmm(acc, a, w)
     if inplace:
@@ -291,7 +298,7 @@ class _MemoryStep(torch.autograd.Function):
             zbar = _ln_backward(r_q * g1, mq, meanq, rstdq)
             for i in range(L - 1, -1, -1):
                 wbar[i] = _wgrad(q if i == 0 else _act(zqs[i - 1], act), zbar, shared[i], None, ip)
-                abar = torch.matmul(zbar, ws[i].transpose(-1, -2))
+                abar = _matmul(zbar, ws[i].transpose(-1, -2))
                 if i == 0:
                     qbar = qbar + abar
                 else:
@@ -303,7 +310,7 @@ class _MemoryStep(torch.autograd.Function):
         Es: list[Tensor | None] = [None] * L
         Gs[L - 1] = dm
         for i in range(L - 1, 0, -1):
-            Es[i] = torch.matmul(Gs[i], ws[i].transpose(-1, -2))
+            Es[i] = _matmul(Gs[i], ws[i].transpose(-1, -2))
             Gs[i - 1] = _act_backward(Es[i], zs[i - 1], act)
         # 1) Through the gradient chain, bottom-up: dW_i = A_i^T G_i and G_{i-1} = (G_i W_i^T) * act'(Z_{i-1}).
         # The curvature term of Z_i (Gbar_i * E_{i+1} * act''(Z_i), for step 3) is formed here, freeing E_{i+1}.
@@ -368,7 +375,7 @@ class _MemoryStep(torch.autograd.Function):
             if Ebar[i] is not None:
                 wb = _wgrad(Ebar[i], Gs[i], shared[i], wb, ip)
             wbar[i], acts[i], Ebar[i] = wb, None, None
-            abar = None if zbar is None else torch.matmul(zbar, ws[i].transpose(-1, -2))
+            abar = None if zbar is None else _matmul(zbar, ws[i].transpose(-1, -2))
             if R[i] is not None:
                 abar = _mm(Gs[i], R[i].transpose(1, 2), abar, ip)
             Gs[i] = None
