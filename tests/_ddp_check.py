@@ -1,0 +1,110 @@
+"""Run by test_distributed.py under ``torch.distributed.run --nproc_per_node 2`` (CPU, gloo): HF ``Trainer`` under
+DDP with memgrad.
+
+1. A tiny Llama trained 3 SGD steps stock, then from the same seed with ``patch_model`` (the chunked head): the
+   ranks hold different numbers of ``-100`` labels, so the Trainer's cross-rank ``num_items_in_batch`` matters;
+   logged losses and final weights must equal the stock run's (SGD: a weight difference is a gradient difference,
+   not one that Adam's normalisation magnifies).
+2. The same with a Titans memory branch (``patch_model(titans=...)``), AdamW: it trains under DDP with
+   ``ddp_find_unused_parameters=False`` (DDP would fail if a parameter got no gradient), its memory parameters
+   move and the ranks end with identical weights.
+3. ``optim="forge_adamw"`` is refused with the error that names the limitation.
+
+Rank 0 writes a JSON report to the path given as the first argument.
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers.utils import logging as hf_logging
+
+import memgrad_hf
+from memgrad_hf.titans import TitansConfig
+
+SEQ, N = 12, 16
+
+
+def build() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def dataset() -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(N):
+        ids = torch.randint(1, 101, (SEQ,), generator=g)
+        labels = ids.clone()
+        labels[: 1 + (i * 5) % (SEQ - 2)] = -100  # a different number of prompt tokens per example
+        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return rows
+
+
+def train(model: torch.nn.Module, out: str, **kw) -> tuple[list[float], dict[str, torch.Tensor]]:
+    args = TrainingArguments(output_dir=out, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
+                             logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
+                             disable_tqdm=True, max_grad_norm=1.0, ddp_find_unused_parameters=False, **kw)
+    t = Trainer(model=model, args=args, train_dataset=dataset())
+    t.train()
+    losses = [h["loss"] for h in t.state.log_history if "loss" in h]
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(rel(a[n], b[n]) for n in b)
+
+
+def rank_spread(params: dict[str, torch.Tensor]) -> float:
+    """Largest difference of any weight between this rank and rank 0 (DDP keeps replicas identical)."""
+    worst = 0.0
+    for p in params.values():
+        ref = p.clone()
+        dist.broadcast(ref, 0)
+        worst = max(worst, (p - ref).abs().max().item())
+    t = torch.tensor(worst)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def main(report_path: str) -> None:
+    hf_logging.set_verbosity_error()
+    out = tempfile.mkdtemp()
+    report: dict = {}
+    stock_losses, stock = train(build(), out, optim="sgd")
+    report["world_size"] = dist.get_world_size()
+    model = memgrad_hf.patch_model(build())
+    losses, params = train(model, out, optim="sgd")
+    report["stock_losses"], report["patched_losses"] = stock_losses, losses
+    report["head_weight_rel_err"] = max_rel(params, stock)
+    report["head_rank_spread"] = rank_spread(params)
+    model = memgrad_hf.patch_model(build(), titans=TitansConfig(layers=[1], heads=2, chunk_size=4))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "memory" in n}
+    losses, params = train(model, out)
+    report["titans_losses"] = losses
+    report["titans_rank_spread"] = rank_spread(params)
+    report["titans_params_moved"] = sum(not torch.equal(params[n], p) for n, p in before.items())
+    report["titans_params"] = len(before)
+    try:
+        train(build(), out, optim="forge_adamw")
+        report["forge_error"] = None
+    except ValueError as e:
+        report["forge_error"] = str(e)
+    if dist.get_rank() == 0:
+        with open(report_path, "w") as f:
+            json.dump(report, f)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main(sys.argv[1])

@@ -1,0 +1,44 @@
+"""memgrad under DDP: two CPU processes (gloo) run by ``torch.distributed.run``, HF Trainer (see _ddp_check.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ddp_report(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("ddp") / "report.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                          str(ROOT / "tests" / "_ddp_check.py"), str(out)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_patched_head_under_ddp_equals_stock(ddp_report):
+    r = ddp_report
+    assert r["world_size"] == 2
+    assert len(r["patched_losses"]) == len(r["stock_losses"]) == 3
+    for a, b in zip(r["patched_losses"], r["stock_losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    assert r["head_weight_rel_err"] < 1e-5  # cross-rank num_items_in_batch honoured: ranks hold different label counts
+    assert r["head_rank_spread"] == 0.0
+
+
+def test_titans_branch_trains_under_ddp(ddp_report):
+    r = ddp_report
+    assert len(r["titans_losses"]) == 3 and all(x == x for x in r["titans_losses"])
+    assert r["titans_params"] > 0 and r["titans_params_moved"] == r["titans_params"]
+    assert r["titans_rank_spread"] == 0.0
+
+
+def test_forge_is_refused_under_ddp_with_a_clear_error(ddp_report):
+    msg = ddp_report["forge_error"]
+    assert msg is not None and "does not support distributed training" in msg and "adamw_torch" in msg
