@@ -1,4 +1,4 @@
-"""memgrad under DDP: two CPU processes (gloo) run by ``torch.distributed.run``, HF Trainer (see _ddp_check.py)."""
+"""memgrad under DDP and FSDP: two CPU processes (gloo) run by ``torch.distributed.run`` (see _distributed_check.py)."""
 
 import json
 import os
@@ -12,18 +12,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def ddp_report(tmp_path_factory) -> dict:
+def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ddp") / "report.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                          str(ROOT / "tests" / "_ddp_check.py"), str(out)], env=env, capture_output=True, text=True,
-                         timeout=600)
+                          str(ROOT / "tests" / "_distributed_check.py"), str(out)], env=env, capture_output=True,
+                         text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return json.loads(out.read_text())
 
 
-def test_patched_head_under_ddp_equals_stock(ddp_report):
-    r = ddp_report
+def test_patched_head_under_ddp_equals_stock(report):
+    r = report
     assert r["world_size"] == 2
     assert len(r["patched_losses"]) == len(r["stock_losses"]) == 3
     for a, b in zip(r["patched_losses"], r["stock_losses"], strict=True):
@@ -32,13 +32,25 @@ def test_patched_head_under_ddp_equals_stock(ddp_report):
     assert r["head_rank_spread"] == 0.0
 
 
-def test_titans_branch_trains_under_ddp(ddp_report):
-    r = ddp_report
+def test_titans_branch_trains_under_ddp(report):
+    r = report
     assert len(r["titans_losses"]) == 3 and all(x == x for x in r["titans_losses"])
     assert r["titans_params"] > 0 and r["titans_params_moved"] == r["titans_params"]
     assert r["titans_rank_spread"] == 0.0
 
 
-def test_forge_is_refused_under_ddp_with_a_clear_error(ddp_report):
-    msg = ddp_report["forge_error"]
+def test_forge_is_refused_under_ddp_with_a_clear_error(report):
+    msg = report["forge_error"]
     assert msg is not None and "does not support distributed training" in msg and "adamw_torch" in msg
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_patched_head_under_fsdp_equals_stock(report, kind, tied):
+    r = report[f"{kind}_tied{tied}"]
+    assert r["loss_diff"] < 1e-5 and r["weight_rel_err"] < 1e-5 and r["rank_spread"] == 0.0
+
+
+def test_lm_head_sharded_on_its_own_is_refused_clearly(report):
+    msg = report["fsdp_own_head_error"]
+    assert msg is not None and "sharded" in msg and "root FSDP unit" in msg and "head=False" in msg

@@ -239,10 +239,25 @@ def head_operands(head: nn.Module, hidden: torch.Tensor, owner: str, chain: Chai
     """``(hidden', weight, bias, softcap, logit_scale)`` that reproduce ``head(hidden)`` followed by what the
     forward did to the logits (``chain``), for :mod:`memgrad_hf.functional`."""
     h, weight, bias = resolve_head(head, hidden, owner)
+    _require_whole(weight, owner)
     if chain.vocab_limit is not None:
         weight = weight[: chain.vocab_limit]
         bias = None if bias is None else bias[: chain.vocab_limit]
     return (h, weight, bias, *epilogue_args(chain))
+
+
+def _require_whole(weight: torch.Tensor, owner: str) -> None:
+    """The head's weight must be whole when the loss runs. A head sharded as an FSDP unit of its own (FSDP2
+    ``fully_shard(model.lm_head)``) or partitioned by DeepSpeed ZeRO-3 is gathered only around its own forward, which
+    memgrad replaces by a probe; kept in the root unit (the default auto-wrap policies), it is whole (tested)."""
+    if type(weight).__name__ == "DTensor" or (hasattr(weight, "ds_id") and weight.numel() == 0):
+        raise UnsupportedModelError(
+            f"{owner}'s LM head weight is sharded ({type(weight).__name__} of shape {tuple(weight.shape)}) when its "
+            "loss runs: the head is an FSDP unit of its own (fully_shard(model.lm_head)) or a DeepSpeed ZeRO-3 "
+            "partition, gathered only for its own forward. Keep lm_head in the root FSDP unit (do not shard it "
+            "separately; FSDP1/FSDP2 with the transformer-layer auto-wrap policy work), use ZeRO-2, or "
+            "patch_model(model, head=False)."
+        )
 
 
 def _chunked_cross_entropy(head: nn.Module, cap: _Capture, patch: HeadPatch, chain: Chain, hidden: torch.Tensor,

@@ -1,5 +1,5 @@
-"""Run by test_distributed.py under ``torch.distributed.run --nproc_per_node 2`` (CPU, gloo): HF ``Trainer`` under
-DDP with memgrad.
+"""Run by test_distributed.py under ``torch.distributed.run --nproc_per_node 2`` (CPU, gloo): memgrad under DDP
+(HF ``Trainer``) and FSDP (a plain loop).
 
 1. A tiny Llama trained 3 SGD steps stock, then from the same seed with ``patch_model`` (the chunked head): the
    ranks hold different numbers of ``-100`` labels, so the Trainer's cross-rank ``num_items_in_batch`` matters;
@@ -9,6 +9,9 @@ DDP with memgrad.
    ``ddp_find_unused_parameters=False`` (DDP would fail if a parameter got no gradient), its memory parameters
    move and the ranks end with identical weights.
 3. ``optim="forge_adamw"`` is refused with the error that names the limitation.
+4. FSDP2 (``fully_shard`` per decoder layer and the root) and FSDP1 (``FullyShardedDataParallel``, decoder-layer
+   auto-wrap), tied and untied heads: 3 SGD steps patched equal stock. An ``lm_head`` sharded as its own FSDP2 unit
+   is refused with ``UnsupportedModelError`` (it is only gathered around its own forward).
 
 Rank 0 writes a JSON report to the path given as the first argument.
 """
@@ -24,15 +27,16 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 from transformers.utils import logging as hf_logging
 
 import memgrad_hf
+from memgrad_hf import UnsupportedModelError
 from memgrad_hf.titans import TitansConfig
 
 SEQ, N = 12, 16
 
 
-def build() -> LlamaForCausalLM:
+def build(tied: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
     return LlamaForCausalLM(cfg)
 
 
@@ -77,6 +81,44 @@ def rank_spread(params: dict[str, torch.Tensor]) -> float:
     return t.item()
 
 
+def fsdp_train(kind: str, tied: bool, patched: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """3 SGD steps of an FSDP-wrapped model on this rank's batch; the full weights after them."""
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = build(tied)
+    if patched:
+        memgrad_hf.patch_model(model)
+    if kind == "fsdp1":
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+        model = FullyShardedDataParallel(model, auto_wrap_policy=policy, use_orig_params=True,
+                                         device_id=torch.device("cpu"))
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        if kind == "fsdp2_own_head":
+            fully_shard(model.lm_head)
+        fully_shard(model)
+    rows = dataset()[2 * dist.get_rank():2 * dist.get_rank() + 2]
+    ids = torch.tensor([r["input_ids"] for r in rows])
+    labels = torch.tensor([r["labels"] for r in rows])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if kind == "fsdp1":
+        with FullyShardedDataParallel.summon_full_params(model):
+            return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
 def main(report_path: str) -> None:
     hf_logging.set_verbosity_error()
     out = tempfile.mkdtemp()
@@ -100,6 +142,16 @@ def main(report_path: str) -> None:
         report["forge_error"] = None
     except ValueError as e:
         report["forge_error"] = str(e)
+    for kind in ("fsdp1", "fsdp2"):
+        for tied in (False, True):
+            (l0, p0), (l1, p1) = fsdp_train(kind, tied, False), fsdp_train(kind, tied, True)
+            report[f"{kind}_tied{tied}"] = {"loss_diff": max(abs(a - b) for a, b in zip(l0, l1, strict=True)),
+                                            "weight_rel_err": max_rel(p1, p0), "rank_spread": rank_spread(p1)}
+    try:
+        fsdp_train("fsdp2_own_head", False, True)
+        report["fsdp_own_head_error"] = None
+    except UnsupportedModelError as e:
+        report["fsdp_own_head_error"] = str(e)
     if dist.get_rank() == 0:
         with open(report_path, "w") as f:
             json.dump(report, f)
