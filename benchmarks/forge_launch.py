@@ -17,8 +17,9 @@ import time
 import torch
 
 
-def _time(fn, calls: int) -> tuple[float, float]:
-    """(host µs per call: the loop without waiting for the device, device-inclusive µs per call)."""
+def _time(fn, calls: int) -> tuple[float, float, float]:
+    """(host µs per call: the loop without waiting for the device; device-inclusive µs per call; device µs per call:
+    the kernels' own time, from the profiler). A call is host-bound where the first exceeds the third."""
     fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -27,7 +28,23 @@ def _time(fn, calls: int) -> tuple[float, float]:
     host = time.perf_counter() - t
     torch.cuda.synchronize()
     total = time.perf_counter() - t
-    return host / calls * 1e6, total / calls * 1e6
+    return host / calls * 1e6, total / calls * 1e6, _device_us(fn, min(calls, 20))
+
+
+def _device_us(fn, calls: int) -> float:
+    """Kernel time per call; NaN if the profiler cannot see the device."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        # the kernels' own events (a CPU op's self device time repeats its kernels': not summed twice)
+        return sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA) / calls
+    except Exception:  # a profiler without CUPTI: the other two columns still stand
+        return float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(a.tokens, a.in_f, device=dev, dtype=bf)
     w = torch.nn.Parameter(torch.randn(a.out, a.in_f, device=dev, dtype=bf) * 0.02)
     hp = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
-    rows: list[tuple[str, float, float]] = []
+    rows: list[tuple[str, float, float, float]] = []
     for kind in (torch.float32, bf):
         st = {"exp_avg": torch.zeros_like(w, dtype=kind), "exp_avg_sq": torch.zeros_like(w, dtype=kind)}
         rows.append((f"Triton linear_weight_step only, {str(kind)[6:]} state", *_time(
@@ -73,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append((what, *_time(
                         lambda st=st: forge_triton.linear_weight_step("adamw", dy, x, w.data, st, hp, 5), a.calls)))
                 except Exception as e:  # a shape the GPU cannot hold (shared memory): say so, go on
-                    rows.append((f"{what}: {type(e).__name__}", 0, 0))
+                    rows.append((f"{what}: {type(e).__name__}", 0, 0, 0))
         tiles.clear()
         tiles.update(default)
     lin = torch.nn.Linear(a.in_f, a.out, bias=False, device=dev, dtype=bf)
@@ -93,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("torch dW GEMM + fused AdamW (bf16 state)", *_time(torch_step, a.calls)))
     print(f"# one {a.out}x{a.in_f} bf16 weight, {a.tokens} tokens, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}\n")
-    print("| what | host µs / call | host + device µs / call |\n|---|---:|---:|")
-    for name, host, total in rows:
-        print(f"| {name} | {host:.0f} | {total:.0f} |")
+    print("| what | host µs / call | host + device µs / call | device (kernels) µs / call |\n|---|---:|---:|---:|")
+    for name, host, total, device in rows:
+        print(f"| {name} | {host:.0f} | {total:.0f} | {device:.0f} |")
     return 0
 
 
