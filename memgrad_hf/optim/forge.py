@@ -35,8 +35,11 @@ log = logging.getLogger("memgrad_hf.forge")
 _CLIP_MODES = ("exact", "previous")
 # How a chunked LM head (patch_model) produces the weight gradient FORGE consumes in vocabulary blocks:
 # "recompute" the logits in backward (no [V x H] buffer; a third more head flops), or "hold" the gradient computed in
-# forward until the head's backward (the head's usual flops; one fp32 [V x H] buffer from forward to backward)
-_HEAD_GRAD_MODES = ("recompute", "hold")
+# forward until the head's backward (the head's usual flops; one fp32 [V x H] buffer from forward to backward);
+# "auto" holds where that buffer is no larger than what recomputing allocates anyway on the torch path (its 32 MiB
+# logits block and 4 MiB gradient block: kernels.head.head_backward_vocab_blocks)
+_HEAD_GRAD_MODES = ("auto", "recompute", "hold")
+_HOLD_MAX_BYTES = 36 << 20
 _MIN_8BIT_NUMEL = 4096  # smaller tensors keep fp32 state under state_dtype="8bit"
 
 
@@ -83,7 +86,7 @@ class ForgeOptimizer(Optimizer):
         stochastic_rounding: bool = False,
         state_dtype: torch.dtype | str | None = None,
         forge_model: nn.Module | None = None,
-        head_grad: str = "recompute",
+        head_grad: str = "auto",
     ) -> None:
         # The Trainer passes the model as forge_model; its losses reach backward through accelerate's
         # Accelerator.backward, where exact clipping hooks in (any loss: the model's, GRPO's, a compute_loss_func's)
@@ -91,6 +94,10 @@ class ForgeOptimizer(Optimizer):
         model = model if model is not None else forge_model
         if clip not in _CLIP_MODES:
             raise ValueError(f"clip must be one of {_CLIP_MODES}; got {clip!r}.")
+        if head_grad not in _HEAD_GRAD_MODES:
+            raise ValueError(f"head_grad must be one of {_HEAD_GRAD_MODES}; got {head_grad!r}.")
+        if tile_bytes is not None and int(tile_bytes) < 1:
+            raise ValueError(f"tile_bytes must be a positive number of bytes (or None: automatic); got {tile_bytes}.")
         if max_grad_norm is None or max_grad_norm < 0 or not math.isfinite(max_grad_norm):
             raise ValueError(f"max_grad_norm must be a finite number >= 0 (0 disables clipping); got {max_grad_norm}.")
         if model is None:
@@ -109,11 +116,7 @@ class ForgeOptimizer(Optimizer):
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
         self.clip = clip
-        if head_grad not in _HEAD_GRAD_MODES:
-            raise ValueError(f"head_grad must be one of {_HEAD_GRAD_MODES}; got {head_grad!r}.")
         self.head_grad = head_grad
-        if tile_bytes is not None and int(tile_bytes) < 1:
-            raise ValueError(f"tile_bytes must be a positive number of bytes (or None: automatic); got {tile_bytes}.")
         self.tile_bytes = None if tile_bytes is None else int(tile_bytes)
         self.stochastic_rounding = bool(stochastic_rounding)
         self.state_dtype = state_dtype
@@ -435,8 +438,18 @@ class ForgeOptimizer(Optimizer):
                 state["blk"] = self._begin_blocks(weight)
             self._apply_block(weight, state["blk"], v0, v1, dw)
 
-        consume.hold = self.head_grad == "hold"  # type: ignore[attr-defined]  (read by the head patch)
+        consume.hold = self._hold_head_grad(weight)  # type: ignore[attr-defined]  (read by the head patch)
         return consume
+
+    def _hold_head_grad(self, weight: Tensor) -> bool:
+        """Whether the chunked head holds the gradient it computed in forward. ``"auto"``: on the torch path (CPU),
+        when that fp32 buffer is no larger than the blocks recomputing would allocate anyway — the same memory for
+        the head's usual flops (a hidden-256 head at vocab 32768, 2048 tokens, fp32 on CPU: 0.45 s forward + backward
+        held against 0.88 s recomputed, whose extra GEMM has a 256-deep contraction, the slowest shape there). On a
+        GPU (Triton head) recompute, until measured there."""
+        if self.head_grad != "auto":
+            return self.head_grad == "hold"
+        return default_backend("head", weight.device) == "torch" and 4 * weight.numel() <= _HOLD_MAX_BYTES
 
     def _weight_step_impl(self, weight: Tensor):
         """The Triton kernel on CUDA (fp32, bf16 or 8-bit state; nearest or stochastic rounding: the same noise as
@@ -545,10 +558,11 @@ class ForgeAdamW(ForgeOptimizer):
             ``"8bit"`` (block-scaled e4m3 codes for matrices).
         stochastic_rounding: round bf16 weights stochastically after each update.
         tile_bytes: bytes of one weight-gradient tile (default: 4 MiB on CPU, 64 MiB on a GPU).
-        head_grad: with ``patch_model``'s chunked head: ``"recompute"`` (default: its logits are recomputed in
-            backward, so its weight gradient never exists whole; a third more head flops) or ``"hold"`` (the gradient
-            computed in forward is held until the head's backward: the head's usual flops, one fp32 ``[V x H]``
-            buffer meanwhile).
+        head_grad: with ``patch_model``'s chunked head: ``"recompute"`` (its logits are recomputed in backward, so
+            its weight gradient never exists whole; a third more head flops), ``"hold"`` (the gradient computed in
+            forward is held until the head's backward: the head's usual flops, one fp32 ``[V x H]`` buffer
+            meanwhile) or ``"auto"`` (default: hold on CPU where that buffer is at most 36 MiB, no more than
+            recomputing allocates for its blocks; else recompute).
 
     Example::
 

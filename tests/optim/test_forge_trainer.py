@@ -63,6 +63,28 @@ def test_forge_with_patched_head_and_exact_clipping(tmp_path, head_grad):
     _assert_weights_close(model, ref)
 
 
+def test_head_grad_auto_holds_only_small_heads_on_the_torch_path(monkeypatch):
+    # "auto": hold the head gradient where its fp32 buffer is no larger than recomputing's own blocks (torch path)
+    from memgrad_hf.optim import forge
+
+    model = tiny_model("llama")
+    memgrad_hf.patch_model(model)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-3)
+    small, big = model.lm_head.weight, torch.empty(40_000, 256)  # 13 KB and 41 MB of fp32 gradient
+    assert opt.head_grad == "auto" and opt._hold_head_grad(small) and not opt._hold_head_grad(big)
+    assert opt._head_weight_consumer(small).hold  # what the head patch reads
+    for mode, want in (("hold", True), ("recompute", False)):
+        opt.head_grad = mode
+        assert opt._hold_head_grad(small) is want and opt._hold_head_grad(big) is want
+    opt.head_grad = "auto"
+    monkeypatch.setattr(forge, "default_backend", lambda family, device=None: "triton")  # a GPU's Triton head
+    assert not opt._hold_head_grad(small)
+    with pytest.raises(ValueError, match="head_grad"):  # refused before it touches the model
+        ForgeAdamW(model.parameters(), model=model, lr=1e-3, head_grad="sometimes")
+    assert model._memgrad_forge_optimizer() is opt
+    opt.detach()
+
+
 @pytest.mark.parametrize("max_grad_norm,head", [(0.0, False), (0.05, False), (0.05, "recompute"), (0.05, "hold")],
                          ids=["no_clip", "exact_clip", "exact_clip_chunked_head", "exact_clip_chunked_head_hold"])
 def test_forge_gradient_accumulation_equals_adamw_torch(tmp_path, max_grad_norm, head):
