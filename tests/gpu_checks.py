@@ -137,7 +137,7 @@ def check_forge_low_precision_trainer() -> None:
                                                    ("forge_adamw", "state_dtype=8bit,stochastic_rounding=true", 2,
                                                     False),
                                                    ("forge_lion", "state_dtype=auto", 1, False),
-                                                   ("forge_adamw", "state_dtype=8bit", 1, True)):
+                                                   ("forge_adamw", "state_dtype=8bit,head_grad=recompute", 1, True)):
         runs = {}
         for impl in ("triton", "torch"):
             os.environ["MEMGRAD_BACKEND"] = impl
