@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
 #   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
-#   [evaluate] [head-profile] [forge-host] [forge-7b]   (default: all but the last four)
+#   [evaluate] [head-profile] [forge-host] [forge-7b] [forge-compile]   (default: all but the last five)
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
 # (2026-11-22/23): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~5 (nine configs), forge-profile ~2, head-profile
 # > 3 (its GRPO half did not finish in a 90 s limit), titans (kernel table, four shapes) ~4; titans-layer
@@ -9,8 +9,8 @@
 # order (2026-11-23): call 1 `checks head grpo` (aligned vocabulary blocks; the memgrad_recompute head peer), call 2
 # `forge-host forge-7b` (BN 128 tiles, 8-bit included; FORGE where a step is device-bound), call 3 `titans
 # titans-layer` (the kernel table with the Titans row kernels, peer manual_torch_rows without them, and without the
-# unused loss; the layer against titans-pytorch), then `forge` and
-# `head-profile` with what is left of the 30 minutes.
+# unused loss; the layer against titans-pytorch), then `forge-compile` (the ~1B step with Trainer(torch_compile=True)
+# for both: is it still host-bound?), `forge` and `head-profile` with what is left of the 30 minutes.
 set -u
 out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [checks titans titans-layer head grpo forge forge-profile]}
 shift
@@ -50,6 +50,10 @@ for part in $parts; do
       python -m benchmarks.forge --device cuda --bf16 --hidden 4096 --layers 32 --vocab 32000 --batch 1 \
         --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion forge_adamw+bf16_state \
         forge_adamw+8bit_state+head 2>&1 | tee "$out/forge-7b.md" ;;
+    forge-compile)  # the same ~1B model with torch_compile=True for both (fewer host launches per step)
+      python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
+        --seq 1024 --steps 6 --repeats 1 --configs adamw_torch_fused+compile forge_lion+compile 2>&1 \
+        | tee "$out/forge-compile.md" ;;
     forge-host)  # host time per FORGE layer vs device time, and a cProfile of one step (is a step host-bound?)
       { python -m benchmarks.forge_launch --sweep
         python -m benchmarks.forge_launch --out 256 --in 256 --tokens 64  # device time ~nil: the host cost alone
