@@ -134,6 +134,60 @@ def ln_residual(m: Tensor, x: Tensor, gamma: Tensor, save: bool = False,
     return torch.addcmul(x, h, _g1(gamma)), ((h, mean, rstd) if save else None)
 
 
+def ln_residual_backward(r: Tensor, m: Tensor, h: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor,
+                         ) -> tuple[Tensor, Tensor]:
+    """Backward of :func:`ln_residual` for the incoming gradient ``r`` of its output: ``(m_bar, g1_bar)`` with
+    ``g1_bar = sum_t r * h`` ``(G, D)`` (the residual's own gradient, ``r``, is the caller's)."""
+    return _ln_backward(r * _g1(gamma), m, mean, rstd), (r * h).sum(1)
+
+
+def ln_loss_backward(w: Tensor | None, m: Tensor, h: Tensor, mean: Tensor, rstd: Tensor, diff: Tensor, lr: Tensor,
+                     gamma: Tensor, r_gamma: Tensor | None, r_loss: Tensor | None, differentiable: bool = False,
+                     ) -> tuple[Tensor | None, ...]:
+    """Backward of :func:`ln_loss_grad` (the outer gradient's row ops), from the incoming gradients of ``dm``
+    (``w``), ``dgamma`` (``r_gamma``, ``(G, D)``) and the token loss (``r_loss``, ``(G, C)``), any of them None.
+
+    Returns ``(m_bar, k_bar, v_bar, lr_bar, g1_bar)`` (None where nothing flows): ``k_bar = -v_bar = diff_bar``,
+    ``g1_bar`` ``(G, D)``. ``differentiable``: under double backward, ``rstd`` is recomputed from ``m`` with a graph.
+    :mod:`memgrad_hf.kernels.titans_rows_triton` has the same function in one launch (no autograd).
+    """
+    D = m.shape[-1]
+    g1 = _g1(gamma)
+    s = (lr * (2.0 / D))[..., None]
+    dy = diff * s
+    u = dy * g1  # dyg
+    mbar = dybar = dygbar = hbar = diffbar = lrbar = g1bar = None
+    if w is not None:
+        dygbar = _ln_backward(w, m, mean, rstd)  # the LayerNorm backward is its own adjoint in dyg
+        dybar = dygbar * g1
+        # dM = r (u - mean(u) - h mean(u h)) also depends on M through h and r: with T = w.u - sum(u) sum(w)/D
+        # - (w.h)(u.h)/D, dr/dM = -r^2 h/D and dh/dM = r (I - 1/D - h h^T/D), the row's M gradient is
+        # (r^2/D) [((w.h) sum(u) + (u.h) sum(w))/D - (w.h) u - (u.h) w + h (-T + 2 (w.h)(u.h)/D)].
+        sw, su = w.sum(-1, keepdim=True), u.sum(-1, keepdim=True)
+        wu, wh, uh = (w * u).sum(-1, keepdim=True), (w * h).sum(-1, keepdim=True), (u * h).sum(-1, keepdim=True)
+        coef_h = su * sw / D + 3 * wh * uh / D - wu
+        # (aten's rstd carries no graph: under double backward take it from differentiable ops)
+        r = torch.rsqrt(m.var(-1, correction=0, keepdim=True) + LN_EPS) if differentiable else rstd
+        mbar = (r * r / D) * ((wh * su + uh * sw) / D - wh * u - uh * w + h * coef_h)
+    if r_gamma is not None:  # dgamma = sum_t dy * h
+        rg = r_gamma[:, None, :]
+        dybar = _add(dybar, rg * h)
+        hbar = rg * dy
+    if dybar is not None:
+        diffbar = dybar * s
+        lrbar = (dybar * diff).sum(-1) * (2.0 / D)
+    if r_loss is not None:  # token_loss = mean_d diff^2
+        diffbar = _add(diffbar, diff * (r_loss[..., None] * (2.0 / D)))
+    if diffbar is not None:
+        hbar = _add(hbar, diffbar * g1)
+        g1bar = (diffbar * h if dygbar is None else torch.addcmul(diffbar * h, dygbar, dy)).sum(1)
+    elif dygbar is not None:
+        g1bar = (dygbar * dy).sum(1)
+    if hbar is not None:
+        mbar = _add(mbar, _ln_backward(hbar, m, mean, rstd))
+    return mbar, diffbar, (None if diffbar is None else -diffbar), lrbar, g1bar
+
+
 def _rows_impl(x: Tensor):
     """The row ops for a step that autograd does not trace, on ``x``'s device: the Triton twin's one launch each on a
     GPU (the step there is bound by launches: ~20 ops for ~1 GFLOP), this module's torch ops elsewhere. Under
@@ -283,19 +337,16 @@ class _MemoryStep(torch.autograd.Function):
         zs, rest = rest[:L - 1], rest[L - 1:]
         R, r_gamma, r_loss = list(bars[:L]), bars[L], bars[L + 1]
         r_q = bars[L + 2] if has_q else None
-        D = x.shape[-1]
         shared = [w.dim() == 2 for w in ws]
-        g1 = _g1(gamma)
         wbar: list[Tensor | None] = [None] * L
-        g1bar = qbar = lrbar = None
+        g1bar = qbar = None
         # Temporaries are released as soon as they are used (list slots set to None), so one step's backward holds a
         # few (G, C, H) tensors at a time; the retrieval's backward runs first and is gone before the key path starts.
         # 0) Retrieval: M(q) = LN(MLP(q)) * g1 + q.
         if r_q is not None:
             mq, hq, meanq, rstdq, *zqs = rest
             qbar = r_q
-            g1bar = (r_q * hq).sum(1)
-            zbar = _ln_backward(r_q * g1, mq, meanq, rstdq)
+            zbar, g1bar = (_rows_impl(x) if ip else _ROWS).ln_residual_backward(r_q, mq, hq, meanq, rstdq, gamma)
             for i in range(L - 1, -1, -1):
                 wbar[i] = _wgrad(q if i == 0 else _act(zqs[i - 1], act), zbar, shared[i], None, ip)
                 abar = _matmul(zbar, ws[i].transpose(-1, -2))
@@ -330,42 +381,13 @@ class _MemoryStep(torch.autograd.Function):
                         curv[i] = gb * Es[i + 1] * _act_second(zs[i], act, False)
                 Es[i + 1] = None
         w = gb  # Gbar_{L-1}, the incoming gradient of dM
-        # 2) Through the LayerNorm backward dM = LNb(dyg; M) and the loss gradient dy = s (M(k) - v).
-        s = (lr * (2.0 / D))[..., None]
-        dy = diff * s
-        u = dy * g1  # dyg
-        mbar = dybar = dygbar = hbar = diffbar = None
-        if w is not None:
-            dygbar = _ln_backward(w, m, mean, rstd)  # the LayerNorm backward is its own adjoint in dyg
-            dybar = dygbar * g1
-            # dM = r (u - mean(u) - h mean(u h)) also depends on M through h and r: with T = w.u - sum(u) sum(w)/D
-            # - (w.h)(u.h)/D, dr/dM = -r^2 h/D and dh/dM = r (I - 1/D - h h^T/D), the row's M gradient is
-            # (r^2/D) [((w.h) sum(u) + (u.h) sum(w))/D - (w.h) u - (u.h) w + h (-T + 2 (w.h)(u.h)/D)].
-            sw, su = w.sum(-1, keepdim=True), u.sum(-1, keepdim=True)
-            wu, wh, uh = (w * u).sum(-1, keepdim=True), (w * h).sum(-1, keepdim=True), (u * h).sum(-1, keepdim=True)
-            coef_h = su * sw / D + 3 * wh * uh / D - wu
-            # (aten's rstd carries no graph: under double backward take it from differentiable ops)
-            r = rstd if ip else torch.rsqrt(m.var(-1, correction=0, keepdim=True) + LN_EPS)
-            mbar = (r * r / D) * ((wh * su + uh * sw) / D - wh * u - uh * w + h * coef_h)
-            del w, gb
-        if r_gamma is not None:  # dgamma = sum_t dy * h
-            rg = r_gamma[:, None, :]
-            dybar = _add(dybar, rg * h)
-            hbar = rg * dy
-        if dybar is not None:
-            diffbar = dybar * s
-            lrbar = (dybar * diff).sum(-1) * (2.0 / D)
-        if r_loss is not None:  # token_loss = mean_d diff^2
-            diffbar = _add(diffbar, diff * (r_loss[..., None] * (2.0 / D)))
-        if diffbar is not None:
-            hbar = _add(hbar, diffbar * g1)
-            g1bar = _add(g1bar, (diffbar * h if dygbar is None else torch.addcmul(diffbar * h, dygbar, dy)).sum(1))
-        elif dygbar is not None:
-            g1bar = _add(g1bar, (dygbar * dy).sum(1))
-        xbar = diffbar
-        vbar = None if diffbar is None else -diffbar
-        if hbar is not None:
-            mbar = _add(mbar, _ln_backward(hbar, m, mean, rstd))
+        # 2) Through the LayerNorm backward dM = LNb(dyg; M) and the loss gradient dy = s (M(k) - v): row ops, one
+        # Triton launch on a GPU in a plain backward (a differentiable one keeps the torch ops)
+        rows = _rows_impl(x) if ip else _ROWS
+        mbar, xbar, vbar, lrbar, g1bar_k = rows.ln_loss_backward(w, m, h, mean, rstd, diff, lr, gamma, r_gamma, r_loss,
+                                                                 differentiable=not ip)
+        g1bar = _add(g1bar, g1bar_k)
+        del w, gb, g1bar_k
         # 3) Back through the MLP forward on the keys (Z_bar of the top layer is M_bar), plus the chain's own terms.
         zbar = mbar
         for i in range(L - 1, -1, -1):

@@ -99,7 +99,27 @@ def check_rows(device: str) -> float:
                 for x, y in pairs:
                     assert x.shape == y.shape, (x.shape, y.shape)
                     worst = max(worst, rel_err(y, x))
-    print(f"row kernels alone: rel err {worst:.2e}")
+        # the backward row kernels, for every combination of incoming gradients (dm, dgamma, token loss)
+        _, _, _, (h, mean, rstd, diff) = K.ln_loss_grad(m, k, v, lr, gamma, save=True)
+        w_in, rg_in, rl_in = rand(G, C, D), rand(D, G).t(), rand(C, G).t()  # strided incoming gradients
+        for has_w in (False, True):
+            for has_rg in (False, True):
+                for has_rl in (False, True):
+                    args = (w_in if has_w else None, m, h, mean, rstd, diff, lr, gamma, rg_in if has_rg else None,
+                            rl_in if has_rl else None)
+                    a, b = K.ln_loss_backward(*args), R.ln_loss_backward(*args)
+                    for x, y in zip(a, b, strict=True):
+                        assert (x is None) == (y is None), (has_w, has_rg, has_rl)
+                        if x is not None:
+                            assert x.shape == y.shape, (x.shape, y.shape)
+                            worst = max(worst, rel_err(y, x))
+        _, (hq, meanq, rstdq) = K.ln_residual(m, q, gamma, save=True)
+        r_in = rand(G, D, C).transpose(1, 2)
+        for x, y in zip(K.ln_residual_backward(r_in, m, hq, meanq, rstdq, gamma),
+                        R.ln_residual_backward(r_in, m, hq, meanq, rstdq, gamma), strict=True):
+            assert x.shape == y.shape
+            worst = max(worst, rel_err(y, x))
+    print(f"row kernels alone (forward and backward): rel err {worst:.2e}")
     ws, gamma, k, v, lr, q = make_inputs(3, False, device, g=3, c=40, d=12, e=3, cq=24, seed=11)
     with torch.no_grad():
         ref, _ = K._step_forward(ws, gamma, k, v, lr, q, "gelu", save=False)
@@ -108,18 +128,24 @@ def check_rows(device: str) -> float:
     print(f"step with row kernels, inference: rel err {err:.2e}")
     worst = max(worst, err)
     leaves = [t.requires_grad_() for t in (*ws, gamma, k, v, lr, q)]
-    results = []
     rows_impl = K._rows_impl
-    for impl in (rows_impl, lambda x: R):  # the Function's forward with the torch rows, then with the kernels
-        K._rows_impl = impl
-        grads, dgamma, retrieved, token_loss = K.memory_step(ws, gamma, k, v, lr, q, "silu")
-        outs = (*grads, dgamma, retrieved, token_loss)
-        probe = sum((o * torch.cos(torch.arange(o.numel(), device=device).view(o.shape) * 0.37)).sum() for o in outs)
-        results.append([*outs, *torch.autograd.grad(probe, leaves)])
-    K._rows_impl = rows_impl
-    err = max(rel_err(b, a) for a, b in zip(*results, strict=True))
-    print(f"step with row kernels, autograd (outputs + outer grads): rel err {err:.2e}")
-    return max(worst, err)
+    # the Function's forward and backward with the torch rows, then with the kernels; every output used, then the
+    # layer's use (no token loss), then the retrieval alone (no gradient reaches the key path's row ops)
+    for used in ((0, 1, 2, 3, 4, 5), (0, 1, 2, 3, 4), (4,)):
+        results = []
+        for impl in (rows_impl, lambda x: R):
+            K._rows_impl = impl
+            grads, dgamma, retrieved, token_loss = K.memory_step(ws, gamma, k, v, lr, q, "silu",
+                                                                 return_loss=5 in used)
+            outs = [o for i, o in enumerate((*grads, dgamma, retrieved, token_loss)) if i in used]
+            probe = sum((o * torch.cos(torch.arange(o.numel(), device=device).view(o.shape) * 0.37)).sum()
+                        for o in outs)
+            results.append([*outs, *torch.autograd.grad(probe, leaves, allow_unused=True)])
+        K._rows_impl = rows_impl
+        err = max(rel_err(b, a) for a, b in zip(*results, strict=True) if a is not None)
+        print(f"step with row kernels, autograd, outputs {used} (outputs + outer grads): rel err {err:.2e}")
+        worst = max(worst, err)
+    return worst
 
 
 def main(device: str) -> int:
