@@ -31,6 +31,7 @@ included). Time: configurations interleaved round-robin in this process (min / m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -61,7 +62,8 @@ def kernel_setup(device: str, impl: str, mode: str, b: int, c: int, d: int, h: i
         "k": t(b, c, d), "v": t(b, c, d), "q": t(b, c, d),
         "lr": (torch.rand(b, c, generator=g) * 0.1).to(device).requires_grad_(train),
         "step": {"manual": K.memory_step, "autograd": K.memory_step_autograd,
-                 "manual_torch_rows": _torch_rows_step}.get(impl) or T.memory_step,
+                 "manual_torch_rows": K.memory_step}.get(impl) or T.memory_step,
+        "torch_rows": impl == "manual_torch_rows",
         "train": train,
         "inner": inner,
     }
@@ -71,13 +73,15 @@ def kernel_setup(device: str, impl: str, mode: str, b: int, c: int, d: int, h: i
     return s
 
 
-def _torch_rows_step(*args, **kwargs):
-    """The manual step with its row ops in torch on any device (a peer: what the row kernels replace on a GPU)."""
+@contextlib.contextmanager
+def _torch_rows():
+    """The manual step with its row ops in torch on any device, forward and backward (the peer
+    ``manual_torch_rows``: what the row kernels replace on a GPU)."""
     from memgrad_hf.kernels import titans as K
 
     rows_impl, K._rows_impl = K._rows_impl, lambda x: K
     try:
-        return K.memory_step(*args, **kwargs)
+        yield
     finally:
         K._rows_impl = rows_impl
 
@@ -97,6 +101,11 @@ def kernel_run(s: dict) -> None:
 
 
 def _kernel_once(s: dict) -> None:
+    with _torch_rows() if s["torch_rows"] else contextlib.nullcontext():
+        _kernel_call(s)
+
+
+def _kernel_call(s: dict) -> None:
     args = (s["ws"], s["gamma"], s["k"], s["v"], s["lr"], s["q"], "gelu")
     if not s["train"]:
         with torch.no_grad():
