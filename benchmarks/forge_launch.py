@@ -48,6 +48,7 @@ def _device_us(fn, calls: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from memgrad_hf.kernels import forge as K
     from memgrad_hf.kernels import forge_triton
     from memgrad_hf.optim.forge import ForgeAdamW
 
@@ -66,13 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     w = torch.nn.Parameter(torch.randn(a.out, a.in_f, device=dev, dtype=bf) * 0.02)
     hp = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
     rows: list[tuple[str, float, float, float]] = []
+    tile_rows = K.row_tiles(a.out, a.in_f, 64 << 20)  # the optimizer's GPU tile (64 MiB of fp32 dW)
     for kind in (torch.float32, bf):
         st = {"exp_avg": torch.zeros_like(w, dtype=kind), "exp_avg_sq": torch.zeros_like(w, dtype=kind)}
         rows.append((f"Triton linear_weight_step only, {str(kind)[6:]} state", *_time(
             lambda st=st: forge_triton.linear_weight_step("adamw", dy, x, w.data, st, hp, 5), a.calls)))
+        # kernel=split: cuBLAS dW row tiles, each then updated by the update kernel
+        rows.append((f"split: cuBLAS dW tiles + Triton update, {str(kind)[6:]} state", *_time(
+            lambda st=st: forge_triton.linear_weight_step_split("adamw", dy, x, w.data, st, hp, 5,
+                                                                rows_per_tile=tile_rows), a.calls)))
     if a.sweep:
-        from memgrad_hf.kernels import forge as K
-
         q8 = {}
         for name in ("exp_avg", "exp_avg_sq"):
             q8[name], q8[name + ".scale"] = K.quantize_8bit(torch.full_like(w, 1e-3, dtype=torch.float32))

@@ -7,7 +7,8 @@
 # > 3 (its GRPO half did not finish in a 90 s limit), titans (kernel table, four shapes) ~4; titans-layer
 # (vs titans-pytorch) and forge-7b not yet seen: plan device calls of <= 10 min around them. Open questions, in
 # order (2026-11-23): call 1 `checks head grpo` (aligned vocabulary blocks; the memgrad_recompute head peer), call 2
-# `forge-host forge-7b` (BN 128 tiles, 8-bit included; FORGE where a step is device-bound), call 3 `titans
+# `forge-host forge-7b` (BN 128 tiles, 8-bit included; the fused kernel's device time against kernel=split's cuBLAS
+# tiles; FORGE where a step is device-bound), call 3 `titans
 # titans-layer` (the kernel table with the Titans row kernels, peer manual_torch_rows without them, and without the
 # unused loss; the layer against titans-pytorch), then `forge-compile` (the ~1B step with Trainer(torch_compile=True)
 # for both: is it still host-bound?), `forge` and `head-profile` with what is left of the 30 minutes.
@@ -48,8 +49,8 @@ for part in $parts; do
     forge-7b)  # Llama-2-7B-shaped (6.7B params, bf16), batch 1 x 1024: the scale of the FORGE paper's claims, where
       # a step is device-bound (the 941M model above is host-bound at batch 1); not yet run
       python -m benchmarks.forge --device cuda --bf16 --hidden 4096 --layers 32 --vocab 32000 --batch 1 \
-        --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion forge_adamw+bf16_state \
-        forge_adamw+8bit_state+head 2>&1 | tee "$out/forge-7b.md" ;;
+        --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion forge_lion+split \
+        forge_adamw+bf16_state forge_adamw+8bit_state+head 2>&1 | tee "$out/forge-7b.md" ;;
     forge-compile)  # the same ~1B model with torch_compile=True for both (fewer host launches per step)
       python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
         --seq 1024 --steps 6 --repeats 1 --configs adamw_torch_fused+compile forge_lion+compile 2>&1 \

@@ -344,6 +344,36 @@ def linear_weight_step(
     return norm, bad
 
 
+def linear_weight_step_split(
+    rule: str,
+    dy: Tensor,
+    x: Tensor,
+    w: Tensor,
+    st: dict[str, Tensor],
+    hp: dict[str, Any],
+    step: int,
+    acc: Tensor | None = None,
+    *,
+    rows_per_tile: int | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    sums: tuple[Tensor, Tensor] | None = None,
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """:func:`linear_weight_step` split in two: each row tile of ``dW = dyᵀx (+ acc)`` by the library GEMM (cuBLAS
+    on a GPU; in the weight's dtype, as autograd produces it), then its update by :func:`update_step`'s kernel. Two
+    launches and one ``rows_per_tile``-row tile of ``dW`` in memory per tile, where the fused kernel keeps ``dW`` in
+    registers; the choice when its tensor-core GEMM is slower than the library's (``optim_args="kernel=split"``).
+    Same contract and signature as the torch twin :func:`memgrad_hf.kernels.forge.linear_weight_step`."""
+    names = K.RULES[rule][1]
+    sums = _sums(sums, w.device)
+    rows = rows_per_tile or K.row_tiles(w.shape[0], w.shape[1])
+    for r0, r1, tile in K.linear_weight_tiles(dy, x, rows, acc, w.dtype):
+        update_step(rule, w[r0:r1], tile, K.state_slice(st, names, r0, r1), hp, step,
+                    stochastic_rounding=stochastic_rounding, seed=seed, offset=r0 * w.shape[1], sums=sums)
+    return sums
+
+
 def update_step(
     rule: str,
     p: Tensor,

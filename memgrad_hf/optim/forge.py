@@ -40,6 +40,9 @@ _CLIP_MODES = ("exact", "previous")
 # logits block and 4 MiB gradient block: kernels.head.head_backward_vocab_blocks)
 _HEAD_GRAD_MODES = ("auto", "recompute", "hold")
 _HOLD_MAX_BYTES = 36 << 20
+# A linear weight's update on a GPU: "fused" (dW tiles in the Triton kernel's registers, the update in its epilogue)
+# or "split" (dW row tiles by cuBLAS, then the update kernel: the library's GEMM speed, one dW tile in memory)
+_KERNELS = ("fused", "split")
 _MIN_8BIT_NUMEL = 4096  # smaller tensors keep fp32 state under state_dtype="8bit"
 
 
@@ -87,6 +90,7 @@ class ForgeOptimizer(Optimizer):
         state_dtype: torch.dtype | str | None = None,
         forge_model: nn.Module | None = None,
         head_grad: str = "auto",
+        kernel: str = "fused",
     ) -> None:
         # The Trainer passes the model as forge_model; its losses reach backward through accelerate's
         # Accelerator.backward, where exact clipping hooks in (any loss: the model's, GRPO's, a compute_loss_func's)
@@ -96,6 +100,8 @@ class ForgeOptimizer(Optimizer):
             raise ValueError(f"clip must be one of {_CLIP_MODES}; got {clip!r}.")
         if head_grad not in _HEAD_GRAD_MODES:
             raise ValueError(f"head_grad must be one of {_HEAD_GRAD_MODES}; got {head_grad!r}.")
+        if kernel not in _KERNELS:
+            raise ValueError(f"kernel must be one of {_KERNELS}; got {kernel!r}.")
         if tile_bytes is not None and int(tile_bytes) < 1:
             raise ValueError(f"tile_bytes must be a positive number of bytes (or None: automatic); got {tile_bytes}.")
         if max_grad_norm is None or max_grad_norm < 0 or not math.isfinite(max_grad_norm):
@@ -117,6 +123,7 @@ class ForgeOptimizer(Optimizer):
         self.max_grad_norm = float(max_grad_norm)
         self.clip = clip
         self.head_grad = head_grad
+        self.kernel = kernel
         self.tile_bytes = None if tile_bytes is None else int(tile_bytes)
         self.stochastic_rounding = bool(stochastic_rounding)
         self.state_dtype = state_dtype
@@ -458,7 +465,7 @@ class ForgeOptimizer(Optimizer):
                 and self.rule in K.KERNEL_RULES):
             from memgrad_hf.kernels import forge_triton
 
-            return forge_triton.linear_weight_step
+            return forge_triton.linear_weight_step_split if self.kernel == "split" else forge_triton.linear_weight_step
         return K.linear_weight_step
 
     def _accumulated(self, p: Tensor) -> Tensor | None:
@@ -563,6 +570,10 @@ class ForgeAdamW(ForgeOptimizer):
             forward is held until the head's backward: the head's usual flops, one fp32 ``[V x H]`` buffer
             meanwhile) or ``"auto"`` (default: hold on CPU where that buffer is at most 36 MiB, no more than
             recomputing allocates for its blocks; else recompute).
+        kernel: on a GPU, ``"fused"`` (default: each weight-gradient tile is computed in the Triton kernel's
+            registers and updated in its epilogue) or ``"split"`` (row tiles of ``dW`` by cuBLAS, each then updated
+            by the update kernel: the library's GEMM, one tile of ``dW`` in memory). Same results; on CPU the torch
+            path runs either way.
 
     Example::
 

@@ -63,6 +63,8 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             kwargs["state_dtype"] = value
         elif key == "head_grad":
             kwargs["head_grad"] = value
+        elif key == "kernel":
+            kwargs["kernel"] = value
         elif cls is ForgeSGD and key in ("momentum", "dampening"):
             kwargs[key] = float(value)
         elif cls is ForgeSGD and key == "nesterov":
@@ -71,8 +73,8 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             raise ValueError(
                 f"optim_args key {key!r} is not understood by {name}; supported: clip=exact|previous, "
                 "stochastic_rounding=true|false, state_dtype=auto|fp32|bf16|8bit, tile_bytes=N, "
-                "head_grad=auto|recompute|hold" + ("; momentum=F, dampening=F, nesterov=true|false." if cls is ForgeSGD
-                                              else ".")
+                "head_grad=auto|recompute|hold, kernel=fused|split"
+                + ("; momentum=F, dampening=F, nesterov=true|false." if cls is ForgeSGD else ".")
             )
     if kwargs["max_grad_norm"] > 0:
         log.warning(

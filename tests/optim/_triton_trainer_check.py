@@ -1,5 +1,6 @@
 """Run under TRITON_INTERPRET=1 MEMGRAD_BACKEND=triton (by test_forge_triton.py): forge_adamw in HF Trainer with
-exact clipping, every update through the Triton kernels (fused linears: ``linear_weight_step``; embeddings, norms:
+exact clipping, every update through the Triton kernels (fused linears: ``linear_weight_step``, or with
+optim_args kernel=split ``linear_weight_step_split``; embeddings, norms:
 ``update_step``), against adamw_torch. Prints the kernel call counts and the largest relative weight difference."""
 
 import copy
@@ -16,7 +17,7 @@ from tests.tiny_models import tiny_model  # noqa: E402
 
 
 def main() -> int:
-    calls = {"linear_weight_step": 0, "update_step": 0}
+    calls = {"linear_weight_step": 0, "linear_weight_step_split": 0, "update_step": 0}
     for name in calls:
         original = getattr(T, name)
 
@@ -25,17 +26,22 @@ def main() -> int:
             return _f(*a, **k)
 
         setattr(T, name, counted)
-    model = tiny_model("llama")
-    ref = copy.deepcopy(model)
-    with tempfile.TemporaryDirectory() as tmp:
-        # small tiles: the embedding is updated in several row blocks
-        forge = _args(Path(tmp) / "f", "forge_adamw", max_grad_norm=0.05, optim_args="tile_bytes=4096")
-        _, la, ga = _train(model, forge)
-        _, lb, gb = _train(ref, _args(Path(tmp) / "r", "adamw_torch", max_grad_norm=0.05))
-    pairs = zip(model.parameters(), ref.parameters(), strict=True)
-    err = max(((p - q).abs().max() / q.abs().max()).item() for p, q in pairs)
-    print(f"kernel calls {calls}; losses {la} vs {lb}; grad norms {ga} vs {gb}; max relative weight error {err:.2e}")
-    ok = all(calls.values()) and err < 1e-5 and max(abs(a - b) / b for a, b in zip(la, lb, strict=True)) < 1e-5
+    ok = True
+    for kernel in ("fused", "split"):  # the fused kernel, then cuBLAS tiles + the update kernel (optim_args kernel=)
+        model = tiny_model("llama")
+        ref = copy.deepcopy(model)
+        with tempfile.TemporaryDirectory() as tmp:
+            # small tiles: the embedding is updated in several row blocks
+            forge = _args(Path(tmp) / "f", "forge_adamw", max_grad_norm=0.05,
+                          optim_args=f"tile_bytes=4096,kernel={kernel}")
+            _, la, ga = _train(model, forge)
+            _, lb, gb = _train(ref, _args(Path(tmp) / "r", "adamw_torch", max_grad_norm=0.05))
+        pairs = zip(model.parameters(), ref.parameters(), strict=True)
+        err = max(((p - q).abs().max() / q.abs().max()).item() for p, q in pairs)
+        print(f"kernel={kernel}: kernel calls {calls}; losses {la} vs {lb}; grad norms {ga} vs {gb}; max relative "
+              f"weight error {err:.2e}")
+        ok &= err < 1e-5 and max(abs(a - b) / b for a, b in zip(la, lb, strict=True)) < 1e-5
+    ok &= all(calls.values())
     # what a GPU user gets by default: the chunked head on its Triton kernels handing the head weight's gradient to
     # FORGE in vocabulary blocks, against the unpatched model under adamw_torch
     from memgrad_hf.kernels import head_triton as H

@@ -25,7 +25,7 @@ def _errs(w0, w, st, n, w_ref, st_ref, n_ref, names) -> float:
     return max(errs)
 
 
-def check(rule: str, with_acc: bool, step: int, device: str = "cpu") -> tuple[float, float]:
+def check(rule: str, with_acc: bool, step: int, device: str = "cpu", impl=None) -> tuple[float, float]:
     """Returns ``(kernel vs twin, 0)`` on CPU; compiled, ``(kernel vs fp64 twin, twin vs fp64 twin)`` with the
     second NaN when the kernel is further from fp64 than the twin allows (4x the twin's error or 2 fp32 spacings)."""
     g = torch.Generator().manual_seed(step)
@@ -41,7 +41,7 @@ def check(rule: str, with_acc: bool, step: int, device: str = "cpu") -> tuple[fl
     w1, st1 = w.clone(), {k: v.clone() for k, v in st.items()}
     w2, st2 = w.clone(), {k: v.clone() for k, v in st.items()}
     n1, b1 = K.linear_weight_step(rule, dy, x, w1, st1, hp, step, acc, rows_per_tile=16)
-    n2, b2 = T.linear_weight_step(rule, dy, x, w2, st2, hp, step, acc)
+    n2, b2 = (impl or T.linear_weight_step)(rule, dy, x, w2, st2, hp, step, acc)
     assert int(b1) == int(b2) == 0
     vs_twin = _errs(w, w2, st2, n2, w1, st1, n1, names)
     if device == "cpu":  # the interpreter does the twin's arithmetic: they must agree to rounding
@@ -62,7 +62,7 @@ def check(rule: str, with_acc: bool, step: int, device: str = "cpu") -> tuple[fl
     return kernel, twin if kernel <= max(1e-5, 4 * twin) or ulps <= 2.0 else float("nan")
 
 
-def check_bf16(rule: str, step: int, device: str = "cpu") -> float:
+def check_bf16(rule: str, step: int, device: str = "cpu", impl=None) -> float:
     """bf16 activations and weights, fp32 state (the tensor-core path). The activations are multiples of 1/4 in
     [-2, 2), so every product and sum of the weight gradient is exact in fp32 whatever the order: kernel and twin
     then see the same bf16 gradient, and their weights may differ only where one rounding to bf16 falls the other
@@ -79,7 +79,7 @@ def check_bf16(rule: str, step: int, device: str = "cpu") -> float:
     w1, st1 = w.clone(), {k: v.clone() for k, v in st.items()}
     w2, st2 = w.clone(), {k: v.clone() for k, v in st.items()}
     K.linear_weight_step(rule, dy, x, w1, st1, hp, step, None, rows_per_tile=16)
-    T.linear_weight_step(rule, dy, x, w2, st2, hp, step, None)
+    (impl or T.linear_weight_step)(rule, dy, x, w2, st2, hp, step, None)
     spacing = torch.finfo(torch.bfloat16).eps * w1.float().abs().clamp_min(1e-3)
     ulps = ((w1.float() - w2.float()).abs() / spacing).max().item()
     for k in names:
@@ -89,7 +89,8 @@ def check_bf16(rule: str, step: int, device: str = "cpu") -> float:
     return ulps
 
 
-def check_lowp_state(rule: str, state: str, stochastic: bool, step: int, device: str = "cpu") -> float:
+def check_lowp_state(rule: str, state: str, stochastic: bool, step: int, device: str = "cpu",
+                     impl=None) -> float:
     """bf16 weights (rounded to nearest or stochastically) with bf16 or 8-bit state, against the twin. Exact
     gradients as in :func:`check_bf16`; the update's fp32 arithmetic may still differ in its last bit, so a rounding
     (nearest or stochastic: the noise is the same hash of the element index in both) may fall the other way for a
@@ -113,7 +114,8 @@ def check_lowp_state(rule: str, state: str, stochastic: bool, step: int, device:
     w2, st2 = w.clone(), {k: v.clone() for k, v in st.items()}
     K.linear_weight_step(rule, dy, x, w1, st1, hp, step, None, rows_per_tile=16, stochastic_rounding=stochastic,
                          seed=1234 + step)
-    T.linear_weight_step(rule, dy, x, w2, st2, hp, step, None, stochastic_rounding=stochastic, seed=1234 + step)
+    (impl or T.linear_weight_step)(rule, dy, x, w2, st2, hp, step, None, stochastic_rounding=stochastic,
+                                   seed=1234 + step)
     assert not torch.equal(w1, w), "the update did nothing"
     fractions = []
 
@@ -220,6 +222,14 @@ if __name__ == "__main__":
         for k, v in saved.items():
             T.LINEAR_TILES[k].clear()
             T.LINEAR_TILES[k].update(v)
+    # the split kernel (library GEMM tiles, then the update kernel): the same contract, the same tolerances
+    split = T.linear_weight_step_split
+    split_results = [check(rule, acc, 7, dev, impl=split) for rule in rules for acc in (False, True)]
+    worst = max(worst, *(r[0] for r in split_results))
+    results += split_results
+    bf16_ok &= max(check_bf16(rule, 7, dev, impl=split) for rule in rules) <= 1.0
+    bf16_ok &= max(check_lowp_state(rule, state, sr, 3, dev, impl=split) for rule in ("adamw", "lion")
+                   for state in ("bf16", "8bit") for sr in (False, True)) <= 0.01
     if dev == "cpu":
         print(f"max relative error {worst:.3e}")
         sys.exit(0 if worst < 1e-5 and bf16_ok else 1)

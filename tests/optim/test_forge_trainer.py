@@ -85,6 +85,25 @@ def test_head_grad_auto_holds_only_small_heads_on_the_torch_path(monkeypatch):
     opt.detach()
 
 
+def test_kernel_option_picks_the_gpu_weight_step(monkeypatch):
+    # kernel=fused|split chooses between the Triton kernels on a GPU; CPU runs the torch path either way
+    forge_triton = pytest.importorskip("memgrad_hf.kernels.forge_triton")
+    from memgrad_hf.kernels import forge as K
+    from memgrad_hf.optim import forge
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="kernel"):
+        ForgeAdamW(model.parameters(), model=model, kernel="cublas")
+    opt = ForgeAdamW(model.parameters(), model=model, kernel="split")
+    w = model.model.layers[0].mlp.up_proj.weight
+    assert opt._weight_step_impl(w) is K.linear_weight_step
+    monkeypatch.setattr(forge, "default_backend", lambda family, device=None: "triton")  # as on a GPU
+    assert opt._weight_step_impl(w) is forge_triton.linear_weight_step_split
+    opt.kernel = "fused"
+    assert opt._weight_step_impl(w) is forge_triton.linear_weight_step
+    opt.detach()
+
+
 @pytest.mark.parametrize("max_grad_norm,head", [(0.0, False), (0.05, False), (0.05, "recompute"), (0.05, "hold")],
                          ids=["no_clip", "exact_clip", "exact_clip_chunked_head", "exact_clip_chunked_head_hold"])
 def test_forge_gradient_accumulation_equals_adamw_torch(tmp_path, max_grad_norm, head):
