@@ -22,6 +22,7 @@ CONFIGS = {
     "adamw_torch": dict(optim="adamw_torch"),
     "adamw_torch_fused": dict(optim="adamw_torch_fused"),
     "adalomo": dict(optim="adalomo"),
+    "adamw_bnb_8bit": dict(optim="adamw_bnb_8bit"),  # GPU, with bitsandbytes installed
     "forge_adamw": dict(optim="forge_adamw"),
     "forge_adamw+bf16_state": dict(optim="forge_adamw", optim_args="state_dtype=bf16"),
     "forge_adamw+8bit_state": dict(optim="forge_adamw", optim_args="state_dtype=8bit"),

@@ -3,7 +3,7 @@
 #   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
 #   [evaluate] [head-profile] [forge-host] [forge-7b] [forge-compile]   (default: all but the last five)
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
-# (2026-11-22/23): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~5 (nine configs), forge-profile ~2, head-profile
+# (2026-11-22/23): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~5 (nine configs; ten since adamw_bnb_8bit, from the bitsandbytes wheel in .whl/, which must stay under the device carry limit of 64 MiB), forge-profile ~2, head-profile
 # > 3 (its GRPO half did not finish in a 90 s limit), titans (kernel table, four shapes) ~4; titans-layer
 # (vs titans-pytorch) and forge-7b not yet seen: plan device calls of <= 10 min around them. Open questions, in
 # order (2026-11-23): call 1 `checks head grpo` (aligned vocabulary blocks; the memgrad_recompute head peer), call 2
@@ -39,7 +39,7 @@ for part in $parts; do
         | tee "$out/head-profile.md" ;;
     forge)  # ~1B Llama-style model, bf16 weights, batch 1 x 1024 tokens
       python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
-        --seq 1024 --steps 6 --repeats 1 --configs adamw_torch_fused forge_adamw+bf16_state \
+        --seq 1024 --steps 6 --repeats 1 --configs adamw_torch_fused adamw_bnb_8bit forge_adamw+bf16_state \
         forge_adamw+8bit_state forge_lion forge_adamw+8bit_state+head adamw_torch_fused+gc \
         forge_adamw+bf16_state+head+gc forge_adamw+8bit_state+head+gc forge_sgd+head 2>&1 | tee "$out/forge.md" ;;
     forge-profile)  # where a step's time goes (top kernels by device time, host syncs)
