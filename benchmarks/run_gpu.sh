@@ -3,8 +3,9 @@
 #   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
 #   [evaluate] [head-profile] [forge-host] [forge-7b] [forge-compile]   (default: all but the last five)
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
-# (2026-11-22/23): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~5 (nine configs; ten since adamw_bnb_8bit, from the bitsandbytes wheel in .whl/, which must stay under the device carry limit of 64 MiB), forge-profile ~2, head-profile
-# > 3 (its GRPO half did not finish in a 90 s limit), titans (kernel table, four shapes) ~4; titans-layer
+# (2026-11-22/23): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~5 (nine configs; now ten with adamw_bnb_8bit, from
+# the bitsandbytes wheel in the untracked .whl/, which must stay under the device's 64 MiB carry limit), forge-profile
+# ~2, head-profile > 3 (its GRPO half did not finish in a 90 s limit), titans (kernel table, four shapes) ~4; titans-layer
 # (vs titans-pytorch) and forge-7b not yet seen: plan device calls of <= 10 min around them. Open questions, in
 # order (2026-11-23): call 1 `checks head grpo` (aligned vocabulary blocks; the memgrad_recompute head peer), call 2
 # `forge-host forge-7b` (BN 128 tiles, 8-bit included; the fused kernel's device time against kernel=split's cuBLAS
