@@ -38,7 +38,7 @@ from torch import Tensor
 LN_EPS = 1e-5
 ACTIVATIONS = ("gelu", "silu")
 _INV_SQRT_2PI = 0.3989422804014327
-_ROWS = sys.modules[__name__]  # this module's row ops (ln_loss_grad, ln_residual): the default ``rows`` of a step
+_ROWS = sys.modules[__name__]  # this module's row ops (ln_loss_grad, ln_residual, their backwards): the default
 
 
 def _act(z: Tensor, activation: str) -> Tensor:
@@ -181,8 +181,6 @@ def ln_loss_backward(w: Tensor | None, m: Tensor, h: Tensor, mean: Tensor, rstd:
     if diffbar is not None:
         hbar = _add(hbar, diffbar * g1)
         g1bar = (diffbar * h if dygbar is None else torch.addcmul(diffbar * h, dygbar, dy)).sum(1)
-    elif dygbar is not None:
-        g1bar = (dygbar * dy).sum(1)
     if hbar is not None:
         mbar = _add(mbar, _ln_backward(hbar, m, mean, rstd))
     return mbar, diffbar, (None if diffbar is None else -diffbar), lrbar, g1bar

@@ -253,10 +253,10 @@ def _require_whole(weight: torch.Tensor, owner: str) -> None:
     if type(weight).__name__ == "DTensor" or (hasattr(weight, "ds_id") and weight.numel() == 0):
         raise UnsupportedModelError(
             f"{owner}'s LM head weight is sharded ({type(weight).__name__} of shape {tuple(weight.shape)}) when its "
-            "loss runs: the head is an FSDP unit of its own (fully_shard(model.lm_head)) or a DeepSpeed ZeRO-3 "
-            "partition, gathered only for its own forward. Keep lm_head in the root FSDP unit (do not shard it "
-            "separately; FSDP1/FSDP2 with the transformer-layer auto-wrap policy work), use ZeRO-2, or "
-            "patch_model(model, head=False)."
+            "loss runs: the head is an FSDP unit of its own (fully_shard(model.lm_head)), tensor-parallel, or a "
+            "DeepSpeed ZeRO-3 partition, gathered only for its own forward. Keep lm_head whole in the root FSDP unit "
+            "(do not shard it separately; FSDP1/FSDP2 with the transformer-layer auto-wrap policy work), use ZeRO-2, "
+            "or patch_model(model, head=False)."
         )
 
 
