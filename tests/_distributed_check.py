@@ -12,6 +12,8 @@
 4. FSDP2 (``fully_shard`` per decoder layer and the root) and FSDP1 (``FullyShardedDataParallel``, decoder-layer
    auto-wrap), tied and untied heads: 3 SGD steps patched equal stock. An ``lm_head`` sharded as its own FSDP2 unit
    is refused with ``UnsupportedModelError`` (it is only gathered around its own forward).
+5. TRL's GRPOTrainer under DDP (loss ``dapo``, 3 steps), stock and with memgrad's fused head (``patch_trl``): logged
+   losses and grad norms equal.
 
 Rank 0 writes a JSON report to the path given as the first argument.
 """
@@ -152,6 +154,12 @@ def main(report_path: str) -> None:
         report["fsdp_own_head_error"] = None
     except UnsupportedModelError as e:
         report["fsdp_own_head_error"] = str(e)
+    from pathlib import Path
+
+    from tests.grpo.test_grpo_trainer import _run as grpo_run
+
+    report["grpo_stock"] = grpo_run(Path(out) / "grpo_stock", "dapo", patched=False)
+    report["grpo_patched"] = grpo_run(Path(out) / "grpo_patched", "dapo", patched=True)
     if dist.get_rank() == 0:
         with open(report_path, "w") as f:
             json.dump(report, f)

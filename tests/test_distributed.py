@@ -54,3 +54,10 @@ def test_patched_head_under_fsdp_equals_stock(report, kind, tied):
 def test_lm_head_sharded_on_its_own_is_refused_clearly(report):
     msg = report["fsdp_own_head_error"]
     assert msg is not None and "sharded" in msg and "root FSDP unit" in msg and "head=False" in msg
+
+
+def test_grpo_under_ddp_equals_stock_trl(report):
+    (loss_s, norm_s), (loss_m, norm_m) = report["grpo_stock"], report["grpo_patched"]
+    assert len(loss_s) == 3
+    assert loss_m == pytest.approx(loss_s, rel=1e-5, abs=1e-7)
+    assert norm_m == pytest.approx(norm_s, rel=1e-5)
