@@ -33,9 +33,10 @@ _TILE = 4096  # elements of a (rows x D) register tile
 
 
 @triton.jit
-def _ln_rows(m_ptr, row, offs_d, mask, D, eps):
-    """Load rows of ``m`` (contiguous, width D) and return ``(h, mean, rstd)`` of the affine-free LayerNorm."""
-    m = tl.load(m_ptr + row[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+def _ln_rows(m_ptr, out, mask, D, eps):
+    """Load rows of ``m`` (contiguous, width D; ``out``: their element offsets) and return ``(h, mean, rstd)`` of the
+    affine-free LayerNorm."""
+    m = tl.load(m_ptr + out, mask=mask, other=0.0)
     mean = tl.sum(m, axis=1) / D
     xc = tl.where(mask, m - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / D + eps)
@@ -49,6 +50,22 @@ def _ln_input_grad(x, h, rstd, mask, D):
     mu = tl.sum(x, axis=1) / D
     muh = tl.sum(x * h, axis=1) / D
     return tl.where(mask, rstd[:, None] * (x - mu[:, None] - h * muh[:, None]), 0.0)
+
+
+@triton.jit
+def _row_block(g, c0, C, D, offs_d, dmask, BC: tl.constexpr):
+    """Rows ``c0 .. c0 + BC`` of memory ``g``: ``(offs_c, row mask, tile mask, flat row index, flat element
+    offsets)``, the last two into contiguous ``(G, C)`` / ``(G, C, D)`` tensors."""
+    offs_c = c0 + tl.arange(0, BC)
+    cmask = offs_c < C
+    row = g * C + offs_c
+    return offs_c, cmask, cmask[:, None] & dmask[None, :], row, row[:, None] * D + offs_d[None, :]
+
+
+@triton.jit
+def _load_tile(ptr, g, offs_c, offs_d, s_g, s_c, s_d, mask):
+    """A ``[rows, D]`` tile of a strided ``(G, C, D)`` tensor (zeros where masked)."""
+    return tl.load(ptr + g * s_g + offs_c[:, None] * s_c + offs_d[None, :] * s_d, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -67,19 +84,15 @@ def _ln_loss_grad_kernel(m_ptr, k_ptr, v_ptr, lr_ptr, gamma_ptr, dm_ptr, dgamma_
     g1 = _gain(gamma_ptr, g, s_gg, s_gd, offs_d, dmask)
     dgamma = tl.zeros([BD], dtype=tl.float32)
     for c0 in range(0, C, BC):
-        offs_c = c0 + tl.arange(0, BC)
-        cmask = offs_c < C
-        mask = cmask[:, None] & dmask[None, :]
-        row = g * C + offs_c  # m and every output are contiguous (G, C, ...)
-        h, mean, rstd = _ln_rows(m_ptr, row, offs_d, mask, D, eps)
-        k = tl.load(k_ptr + g * s_kg + offs_c[:, None] * s_kc + offs_d[None, :] * s_kd, mask=mask, other=0.0)
-        v = tl.load(v_ptr + g * s_vg + offs_c[:, None] * s_vc + offs_d[None, :] * s_vd, mask=mask, other=0.0)
+        offs_c, cmask, mask, row, out = _row_block(g, c0, C, D, offs_d, dmask, BC)  # m, outputs: contiguous
+        h, mean, rstd = _ln_rows(m_ptr, out, mask, D, eps)
+        k = _load_tile(k_ptr, g, offs_c, offs_d, s_kg, s_kc, s_kd, mask)
+        v = _load_tile(v_ptr, g, offs_c, offs_d, s_vg, s_vc, s_vd, mask)
         diff = (k - v) + h * g1[None, :]  # M(k) - v; zero in masked columns
         lr = tl.load(lr_ptr + g * s_lg + offs_c * s_lc, mask=cmask, other=0.0)
         dy = diff * (lr * (2.0 / D))[:, None]
         dgamma += tl.sum(dy * h, axis=0)
         dm = _ln_input_grad(dy * g1[None, :], h, rstd, mask, D)
-        out = row[:, None] * D + offs_d[None, :]
         tl.store(dm_ptr + out, dm, mask=mask)
         if LOSS:
             tl.store(loss_ptr + row, tl.sum(diff * diff, axis=1) / D, mask=cmask)
@@ -95,15 +108,12 @@ def _ln_loss_grad_kernel(m_ptr, k_ptr, v_ptr, lr_ptr, gamma_ptr, dm_ptr, dgamma_
 def _ln_residual_kernel(m_ptr, x_ptr, gamma_ptr, out_ptr, h_ptr, mean_ptr, rstd_ptr, C, D, s_xg, s_xc, s_xd, s_gg,
                         s_gd, eps, SAVE: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
     g = tl.program_id(0)
-    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     offs_d = tl.arange(0, BD)
-    cmask, dmask = offs_c < C, offs_d < D
-    mask = cmask[:, None] & dmask[None, :]
-    row = g * C + offs_c
-    h, mean, rstd = _ln_rows(m_ptr, row, offs_d, mask, D, eps)
+    dmask = offs_d < D
+    offs_c, cmask, mask, row, out = _row_block(g, tl.program_id(1) * BC, C, D, offs_d, dmask, BC)
+    h, mean, rstd = _ln_rows(m_ptr, out, mask, D, eps)
     g1 = _gain(gamma_ptr, g, s_gg, s_gd, offs_d, dmask)
-    x = tl.load(x_ptr + g * s_xg + offs_c[:, None] * s_xc + offs_d[None, :] * s_xd, mask=mask, other=0.0)
-    out = row[:, None] * D + offs_d[None, :]
+    x = _load_tile(x_ptr, g, offs_c, offs_d, s_xg, s_xc, s_xd, mask)
     tl.store(out_ptr + out, x + h * g1[None, :], mask=mask)
     if SAVE:
         tl.store(h_ptr + out, h, mask=mask)
@@ -120,12 +130,8 @@ def _ln_residual_backward_kernel(r_ptr, h_ptr, rstd_ptr, gamma_ptr, mbar_ptr, g1
     g1 = _gain(gamma_ptr, g, s_gg, s_gd, offs_d, dmask)
     g1bar = tl.zeros([BD], dtype=tl.float32)
     for c0 in range(0, C, BC):
-        offs_c = c0 + tl.arange(0, BC)
-        cmask = offs_c < C
-        mask = cmask[:, None] & dmask[None, :]
-        row = g * C + offs_c
-        out = row[:, None] * D + offs_d[None, :]
-        r = tl.load(r_ptr + g * s_rg + offs_c[:, None] * s_rc + offs_d[None, :] * s_rd, mask=mask, other=0.0)
+        offs_c, cmask, mask, row, out = _row_block(g, c0, C, D, offs_d, dmask, BC)
+        r = _load_tile(r_ptr, g, offs_c, offs_d, s_rg, s_rc, s_rd, mask)
         h = tl.load(h_ptr + out, mask=mask, other=0.0)
         rstd = tl.load(rstd_ptr + row, mask=cmask, other=0.0)
         tl.store(mbar_ptr + out, _ln_input_grad(r * g1[None, :], h, rstd, mask, D), mask=mask)
@@ -148,11 +154,7 @@ def _ln_loss_backward_kernel(w_ptr, h_ptr, rstd_ptr, diff_ptr, lr_ptr, gamma_ptr
         rg = tl.load(rg_ptr + g * s_rgg + offs_d * s_rgd, mask=dmask, other=0.0)
     g1bar = tl.zeros([BD], dtype=tl.float32)
     for c0 in range(0, C, BC):
-        offs_c = c0 + tl.arange(0, BC)
-        cmask = offs_c < C
-        mask = cmask[:, None] & dmask[None, :]
-        row = g * C + offs_c
-        out = row[:, None] * D + offs_d[None, :]
+        offs_c, cmask, mask, row, out = _row_block(g, c0, C, D, offs_d, dmask, BC)
         h = tl.load(h_ptr + out, mask=mask, other=0.0)
         rstd = tl.load(rstd_ptr + row, mask=cmask, other=0.0)
         diff = tl.load(diff_ptr + out, mask=mask, other=0.0)
