@@ -5,6 +5,8 @@ then a policy-gradient loss ``-(logp · advantage).mean()`` backward. Peers: ful
 what TRL < 1.15 did), TRL 1.16's fused head (``ChunkedLogProbFunction``; on CPU its torch fallback), memgrad
 (``memgrad_hf.functional.linear_logprobs``; its Triton head kernels on GPU) and, on GPU, memgrad on its torch
 path (``memgrad_torch``: ``MEMGRAD_BACKEND=torch``). Peak memory per configuration in a fresh process; time round-robin.
+``--outputs sft`` also asks each fused head for whether the token is the top-1 (what TRL's SFTTrainer scores for its
+token accuracy), ``kto`` for the mean logit.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from benchmarks.harness import Case, machine, peak_added_mib, profile_once, time
 PEERS = ("full_logits", "trl", "memgrad", "memgrad_torch")
 
 
-def setup(device: str, impl: str, n: int, d: int, v: int, dtype: str) -> dict:
+EXTRA_OUTPUTS = {"grpo": (), "sft": ("is_top1",), "kto": ("mean_logits",)}  # beyond log-probs and entropy
+
+
+def setup(device: str, impl: str, n: int, d: int, v: int, dtype: str, outputs: str = "grpo") -> dict:
     if impl == "memgrad_torch" and not device.startswith("cuda"):
         raise RuntimeError("GPU only (on CPU the torch path is memgrad's default)")
     dt = getattr(torch, dtype)
@@ -29,10 +34,10 @@ def setup(device: str, impl: str, n: int, d: int, v: int, dtype: str) -> dict:
     w = (torch.randn(v, d, generator=g) * 0.02).to(device=device, dtype=dt).requires_grad_()
     y = torch.randint(0, v, (n,), generator=g).to(device)
     adv = torch.randn(n, generator=g).to(device)
-    return {"h": h, "w": w, "y": y, "adv": adv, "impl": impl}
+    return {"h": h, "w": w, "y": y, "adv": adv, "impl": impl, "extra": EXTRA_OUTPUTS[outputs]}
 
 
-def _logp_entropy(impl: str, h, w, y):
+def _logp_entropy(impl: str, h, w, y, extra: tuple[str, ...]):
     if impl == "full_logits":
         logits = (h @ w.t()).float()
         ls = logits.log_softmax(-1)
@@ -40,11 +45,11 @@ def _logp_entropy(impl: str, h, w, y):
     if impl == "trl":
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-        lp, ent, *_ = ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 32768, None, 1.0, ("entropy",))
+        lp, ent, *_ = ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 32768, None, 1.0, ("entropy", *extra))
         return lp, ent
     from memgrad_hf.functional import linear_logprobs
 
-    return linear_logprobs(h, w, y, return_entropy=True)
+    return linear_logprobs(h, w, y, return_entropy=True, diagnostics={} if extra else None)
 
 
 def run(s: dict) -> None:
@@ -52,7 +57,7 @@ def run(s: dict) -> None:
     if s["impl"] == "memgrad_torch":  # forward and backward both dispatch on MEMGRAD_BACKEND
         os.environ["MEMGRAD_BACKEND"] = "torch"
     try:
-        logp, ent = _logp_entropy(s["impl"], s["h"], s["w"], s["y"])
+        logp, ent = _logp_entropy(s["impl"], s["h"], s["w"], s["y"], s["extra"])
         loss = -(logp * s["adv"]).mean()
         loss.backward()
     finally:
@@ -73,14 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--outputs", choices=list(EXTRA_OUTPUTS), default="grpo",
+                   help="per-token outputs asked of the fused heads besides log-probs and entropy (sft: top-1)")
     p.add_argument("--profile", action="store_true", help="after the table, profile one run of each peer")
     a = p.parse_args(argv)
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     torch.set_num_threads(a.threads)
     n = a.completions * a.length
     print(f"# GRPO scoring + loss backward: {a.completions} x {a.length} tokens, hidden {a.hidden}, vocab {a.vocab}, "
-          f"{dtype}, {a.device}\n# {machine(a.device)}; {versions()}\n")
-    cases = [Case(peer, setup, run, dict(impl=peer, n=n, d=a.hidden, v=a.vocab, dtype=dtype)) for peer in a.peers]
+          f"{dtype}, {a.device}, outputs {a.outputs}\n# {machine(a.device)}; {versions()}\n")
+    kw = dict(n=n, d=a.hidden, v=a.vocab, dtype=dtype, outputs=a.outputs)
+    cases = [Case(peer, setup, run, dict(impl=peer, **kw)) for peer in a.peers]
     mem = {c.name: peak_added_mib(c, a.device, a.threads) for c in cases}
     times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=1)
     ref_m, ref_t = mem.get("trl"), times.get("trl")

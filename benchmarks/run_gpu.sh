@@ -32,7 +32,9 @@ for part in $parts; do
     titans-layer) python -m benchmarks.titans --device cuda --repeats 5 --kernel-shapes 2>&1 \
       | tee "$out/titans-layer.md" ;;
     head) python -m benchmarks.head --device cuda --repeats 10 2>&1 | tee "$out/head.md" ;;
-    grpo) python -m benchmarks.grpo --device cuda --repeats 10 2>&1 | tee "$out/grpo.md" ;;
+    grpo) { python -m benchmarks.grpo --device cuda --repeats 10
+        python -m benchmarks.grpo --device cuda --repeats 5 --peers trl memgrad --outputs sft; } 2>&1 \
+        | tee "$out/grpo.md" ;;
     head-profile)  # where the head's time goes on the GPU, per peer (top kernels by device time, host syncs)
       { python -m benchmarks.head --device cuda --vocab 128256 --repeats 3 --profile --peers trl liger memgrad \
           memgrad_recompute
@@ -54,7 +56,7 @@ for part in $parts; do
         forge_adamw+bf16_state forge_adamw+8bit_state+head 2>&1 | tee "$out/forge-7b.md" ;;
     forge-compile)  # the same ~1B model with torch_compile=True for both (fewer host launches per step)
       python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
-        --seq 1024 --steps 6 --repeats 1 --configs adamw_torch_fused+compile forge_lion+compile 2>&1 \
+        --seq 1024 --steps 6 --repeats 1 --configs adamw_torch_fused+compile forge_lion+compile forge_lion+split+compile 2>&1 \
         | tee "$out/forge-compile.md" ;;
     forge-host)  # host time per FORGE layer vs device time, and a cProfile of one step (is a step host-bound?)
       { python -m benchmarks.forge_launch --sweep

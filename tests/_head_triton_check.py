@@ -56,6 +56,34 @@ def recompute_case(dev, n, h, v, chunk, softcap=None, scale=1.0, bias=False, acc
     return max(errs)
 
 
+def diagnostics_case(dev, n, h, v, chunk, dtype=torch.float32, seed=4, programs=None):
+    """head_stats with every output TRL's trainers ask for (SFT: entropy + top-1; KTO: mean logit; Σp²). Integer
+    inputs make the logits exact integers in any GEMM order, so ties at the maximum are many and the same for both:
+    targets are drawn from the first maximum, a later tied maximum, and anywhere. ``programs`` lowers the kernel's
+    programs-per-launch aim, so that each program walks several column blocks (its running max rescaled)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (n, h), generator=g).float()
+    w = torch.randint(-2, 3, (v, h), generator=g).float()
+    z = x @ w.t()
+    ties = (z == z.amax(1, keepdim=True)).float()
+    first = ties.argmax(1)
+    last = v - 1 - ties.flip(1).argmax(1)
+    rand = torch.randint(0, v, (n,), generator=g)
+    t = torch.where(torch.arange(n) % 3 == 0, first, torch.where(torch.arange(n) % 3 == 1, last, rand))
+    assert bool((last > first).any()), "no tied maximum drawn"
+    x, w, t = x.to(dev, dtype), w.to(dev, dtype), t.to(dev)
+    ep = K.Epilogue.make(logit_scale=0.25)
+    kw = dict(chunk_size=chunk, need_entropy=True, need_zmean=True, need_sumsq=True, need_top1=True)
+    default, T._STATS_PROGRAMS = T._STATS_PROGRAMS, programs or T._STATS_PROGRAMS
+    try:
+        st_r, st_t = K.head_stats(x, w, None, t, ep, **kw), T.head_stats(x, w, None, t, ep, **kw)
+    finally:
+        T._STATS_PROGRAMS = default
+    assert torch.equal(st_t.top1.cpu(), st_r.top1.cpu()), (st_t.top1, st_r.top1)
+    assert 0 < int(st_r.top1.sum()) < n
+    return max(rel(getattr(st_t, k), getattr(st_r, k)) for k in ("lse", "target", "entropy", "zmean", "sumsq"))
+
+
 def consumer_case(dev, n, h, v, block_bytes, dtype=torch.float32, seed=2):
     """head_backward_vocab_blocks (FORGE's head): the blocks handed to the consumer and dX, Triton vs torch twin."""
     g = torch.Generator().manual_seed(seed)
@@ -103,8 +131,10 @@ def end_to_end(dev):
     res = []
     for backend in ("torch", "triton"):
         os.environ["MEMGRAD_BACKEND"] = backend
-        lp, ent = linear_logprobs(x, w, ids, temperature=0.7, return_entropy=True)
-        res.append((lp, ent, *torch.autograd.grad((lp * 0.3).sum() + ent.sum(), (x, w))))
+        diag = {}
+        lp, ent = linear_logprobs(x, w, ids, temperature=0.7, return_entropy=True, diagnostics=diag)
+        res.append((lp, ent, diag["mean_logits"], diag["log_sum_sq_probs"], diag["is_top1"],
+                    *torch.autograd.grad((lp * 0.3).sum() + ent.sum(), (x, w))))
     os.environ.pop("MEMGRAD_BACKEND")
     return max(err, max(rel(a, b) for a, b in zip(res[1], res[0], strict=True)))
 
@@ -131,6 +161,12 @@ if __name__ == "__main__":
         err = recompute_case(dev, **kw)
         worst = max(worst, err)
         print(f"fp32 stats + backward, {name}: max rel err {err:.2e}")
+    for name, kw in {"one split per row": dict(n=300, h=16, v=200, chunk=300),
+                     "several splits per row": dict(n=23, h=16, v=1000, chunk=8),
+                     "several column blocks per program": dict(n=20, h=16, v=9000, chunk=8, programs=16)}.items():
+        err = diagnostics_case(dev, **kw)
+        worst = max(worst, err)
+        print(f"fp32 stats with entropy, mean logit, sum p^2, top-1 (ties), {name}: max rel err {err:.2e}")
     err = consumer_case(dev, n=21, h=16, v=1000, block_bytes=8 * 21 * 16)
     worst = max(worst, err)
     print(f"fp32 weight-gradient blocks to a consumer (FORGE's head): max rel err {err:.2e}")
@@ -145,7 +181,8 @@ if __name__ == "__main__":
     # arithmetic: the interpreter's own cast truncates), so interpreted they agree to fp32 rounding
     bf16 = max(case(dev, torch.bfloat16, n=40, h=32, v=1000, chunk=8, eps=0.1),
                recompute_case(dev, n=50, h=32, v=1000, chunk=8, dtype=torch.bfloat16),
-               consumer_case(dev, n=40, h=32, v=1000, block_bytes=8 * 40 * 32, dtype=torch.bfloat16))
+               consumer_case(dev, n=40, h=32, v=1000, block_bytes=8 * 40 * 32, dtype=torch.bfloat16),
+               diagnostics_case(dev, n=30, h=16, v=1000, chunk=8, dtype=torch.bfloat16))
     print(f"bf16 fused, recompute and consumer schedules: max rel err {bf16:.2e}")
     worst = max(worst, bf16) if dev == "cpu" else worst
     ok = worst < 1e-5
@@ -157,6 +194,8 @@ if __name__ == "__main__":
         print(f"bf16 stats + backward, vocabulary-block walk: max rel err {err2:.2e}")
         err3 = consumer_case(dev, n=512, h=256, v=32768, block_bytes=4 << 20, dtype=torch.bfloat16)
         print(f"bf16 weight-gradient blocks to a consumer: max rel err {err3:.2e}")
-        ok = ok and err < 2e-2 and err2 < 2e-2 and err3 < 2e-2
+        err4 = diagnostics_case(dev, n=4096, h=64, v=151936, chunk=256, dtype=torch.bfloat16)
+        print(f"bf16 stats with every diagnostic, 151936 columns (exact integer logits): max rel err {err4:.2e}")
+        ok = ok and err < 2e-2 and err2 < 2e-2 and err3 < 2e-2 and err4 < 1e-5
     print(f"max relative error {worst:.3e}")
     sys.exit(0 if ok else 1)

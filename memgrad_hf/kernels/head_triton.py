@@ -7,12 +7,11 @@ and one write of a low-precision row replace the torch path's ~10 fp32 passes (w
 and TRL on an H100, benchmarks/RESULTS.md). The epilogue (logit scale, softcap, temperature) is applied on the fly.
 
 The recompute schedule (per-token statistics in forward, gradients in backward: log-probs, entropies, GRPO) runs
-on two more row kernels: :func:`head_stats` (one online pass: ``lse``, target logit, entropy, mean logit) and
+on two more row kernels: :func:`head_stats` (one online pass over column splits of each row: ``lse``, target logit,
+entropy, mean logit, ``Σp²``, target-is-top-1 — all that TRL's trainers ask of a fused head) and
 :func:`head_backward` (``dL/du`` from the per-token coefficients, in place). Low-precision weights with the fp32
 accumulator walk the vocabulary in blocks (:func:`head_backward_vocab_blocks`, which also hands each block's
-weight gradient to FORGE), as the torch path does, so no fp32 ``[V x H]`` buffer exists. The diagnostics ``Σp²`` /
-target-is-top-1 are the torch path's, re-exported so that this module serves :func:`memgrad_hf.kernels.head_impl`
-whole.
+weight gradient to FORGE), as the torch path does, so no fp32 ``[V x H]`` buffer exists.
 
 Tested against the torch twin under ``TRITON_INTERPRET=1`` (``tests/_head_triton_check.py``) and compiled on an
 H100; the default on CUDA (``MEMGRAD_BACKEND=torch`` selects the torch path), measured 2.0-2.7x faster than it.
@@ -27,7 +26,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from memgrad_hf.kernels import head as _torch_head
 from memgrad_hf.kernels.head import (  # noqa: F401  (the torch path's other schedules, served as they are)
     Epilogue,
     Stats,
@@ -203,21 +201,56 @@ def fused_cross_entropy(
 
 
 @triton.jit
-def _stats_rows_kernel(
-    u_ptr, s_u, t_ptr, lse_ptr, zt_ptr, ent_ptr, zmean_ptr,
-    V, inp, out,
-    TANH: tl.constexpr, ENTROPY: tl.constexpr, ZMEAN: tl.constexpr, BLOCK: tl.constexpr,
+def _stats_split_kernel(
+    u_ptr, s_u, t_ptr, part_ptr, zt_ptr, V, span,
+    inp, out,
+    TANH: tl.constexpr, ENTROPY: tl.constexpr, ZMEAN: tl.constexpr, SUMSQ: tl.constexpr, TOP1: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """A row's lse, z_t and, if asked, H = lse - Σ p z and mean z."""
+    """One online pass over columns ``[split·span, (split+1)·span)`` of a row of logits; grid ``(rows, splits)``.
+    Writes the split's partial statistics ``(m, Σe, Σe·z, Σz, Σe², max before the target)`` with ``e = exp(z - m)``
+    to ``part[row, split, :]`` (combined by :func:`_combine_splits`), and ``z_t`` from the split holding the target.
+    Splitting a row over several programs keeps the GPU busy when a chunk has few rows and many columns."""
     row = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
     base = u_ptr + row * s_u
-    lse, pz, zsum = _row_stats(base, V, inp, out, TANH, ENTROPY, ZMEAN, BLOCK)
-    tl.store(lse_ptr + row, lse)
-    tl.store(zt_ptr + row, _epilogue(tl.load(base + tl.load(t_ptr + row)).to(tl.float32), inp, out, TANH))
-    if ENTROPY:
-        tl.store(ent_ptr + row, lse - pz)
-    if ZMEAN:
-        tl.store(zmean_ptr + row, zsum / V)
+    c0 = sp * span
+    c1 = tl.minimum(c0 + span, V)
+    t = tl.load(t_ptr + row)
+    cols0 = tl.arange(0, BLOCK)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    sz = tl.zeros((), tl.float32)
+    zsum = tl.zeros((), tl.float32)
+    sq = tl.zeros((), tl.float32)
+    mb = tl.full((), float("-inf"), tl.float32)
+    for v0 in range(c0, c1, BLOCK):
+        cols = v0 + cols0
+        ok = cols < c1
+        z = _epilogue(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), inp, out, TANH)
+        zm = tl.where(ok, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(zm, 0))
+        scale = tl.exp(m - m_new)  # the first block is never all masked (c0 < c1), so m_new is finite
+        e = tl.exp(zm - m_new)
+        s = s * scale + tl.sum(e, 0)
+        if ENTROPY:
+            sz = sz * scale + tl.sum(tl.where(ok, e * z, 0.0), 0)
+        if ZMEAN:
+            zsum += tl.sum(tl.where(ok, z, 0.0), 0)
+        if SUMSQ:
+            sq = sq * scale * scale + tl.sum(e * e, 0)
+        if TOP1:
+            mb = tl.maximum(mb, tl.max(tl.where(cols < t, zm, float("-inf")), 0))
+        m = m_new
+    pp = part_ptr + (row * tl.num_programs(1) + sp) * 6
+    tl.store(pp, m)
+    tl.store(pp + 1, s)
+    tl.store(pp + 2, sz)
+    tl.store(pp + 3, zsum)
+    tl.store(pp + 4, sq)
+    tl.store(pp + 5, mb)
+    if (t >= c0) & (t < c1):
+        tl.store(zt_ptr + row, _epilogue(tl.load(base + t).to(tl.float32), inp, out, TANH))
 
 
 @triton.jit
@@ -240,6 +273,35 @@ def _grad_rows_kernel(
                 TANH, HAS_BETA, HAS_GAMMA, HAS_DELTA, BLOCK)
 
 
+_STATS_PROGRAMS = 2048  # programs per stats launch to aim for (a few per SM on current GPUs)
+
+
+def _stats_split(rows: int, vocab: int) -> tuple[int, int, int]:
+    """``(splits, span, BLOCK)`` for the stats kernel: enough column splits per row that a chunk of ``rows`` rows
+    launches about ``_STATS_PROGRAMS`` programs, each over a span of whole 128-column groups."""
+    splits = max(1, min(triton.cdiv(_STATS_PROGRAMS, max(rows, 1)), triton.cdiv(vocab, 128)))
+    span = triton.cdiv(triton.cdiv(vocab, splits), 128) * 128
+    return triton.cdiv(vocab, span), span, min(4096, triton.next_power_of_2(span))
+
+
+def _combine_splits(part: Tensor, vocab: int, zt: Tensor, want: frozenset[str]) -> dict[str, Tensor]:
+    """Per-row statistics from the stats kernel's per-split partials ``part [N, splits, 6]`` (once per call)."""
+    m = part[..., 0]
+    top = m.amax(1)
+    w = torch.exp(m - top[:, None])
+    s = (part[..., 1] * w).sum(1)
+    res = {"lse": top + s.log()}
+    if "entropy" in want:  # H = lse - Σ p z
+        res["entropy"] = res["lse"] - (part[..., 2] * w).sum(1) / s
+    if "zmean" in want:
+        res["zmean"] = part[..., 3].sum(1) / vocab
+    if "sumsq" in want:
+        res["sumsq"] = (part[..., 4] * w * w).sum(1) / (s * s)
+    if "top1" in want:  # the first argmax: no larger logit anywhere, none as large before the target
+        res["top1"] = (zt >= top) & (zt > part[..., 5].amax(1))
+    return res
+
+
 def head_stats(
     hidden: Tensor,
     weight: Tensor,
@@ -253,28 +315,25 @@ def head_stats(
     need_sumsq: bool = False,
     need_top1: bool = False,
 ) -> Stats:
-    """Same contract as the torch twin :func:`memgrad_hf.kernels.head.head_stats` (the diagnostics ``Σp²`` and
-    target-is-top-1 go to the torch path)."""
-    if need_sumsq or need_top1:
-        return _torch_head.head_stats(hidden, weight, bias, targets, ep, chunk_size=chunk_size,
-                                      need_entropy=need_entropy, need_zmean=need_zmean, need_sumsq=need_sumsq,
-                                      need_top1=need_top1)
+    """Same contract as the torch twin :func:`memgrad_hf.kernels.head.head_stats`: per chunk of tokens one logits
+    GEMM, then one stats launch over (rows, column splits); the splits are combined once at the end."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    f32 = dict(dtype=torch.float32, device=hidden.device)
-    lse, zt = torch.empty(n, **f32), torch.empty(n, **f32)
-    ent = torch.empty(n, **f32) if need_entropy else None
-    zmean = torch.empty(n, **f32) if need_zmean else None
-    buf = torch.empty(min(n, chunk_size), vocab, dtype=weight.dtype, device=hidden.device)
-    block = min(4096, triton.next_power_of_2(vocab))
+    flags = {"entropy": need_entropy, "zmean": need_zmean, "sumsq": need_sumsq, "top1": need_top1}
+    want = frozenset(k for k, v in flags.items() if v)
+    chunk = min(n, chunk_size)
+    splits, span, block = _stats_split(chunk, vocab)
+    part = torch.empty(n, splits, 6, dtype=torch.float32, device=hidden.device)
+    zt = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    buf = torch.empty(chunk, vocab, dtype=weight.dtype, device=hidden.device)
     for s in range(0, n, chunk_size):
         e = min(s + chunk_size, n)
         u = _logits(hidden[s:e], weight, bias, buf)
-        _stats_rows_kernel[(e - s,)](
-            u, u.stride(0), targets[s:e], lse[s:e], zt[s:e], (ent if ent is not None else lse)[s:e],
-            (zmean if zmean is not None else lse)[s:e], vocab, float(ep.inp), float(ep.out),
-            TANH=ep.tanh, ENTROPY=need_entropy, ZMEAN=need_zmean, BLOCK=block, num_warps=8,
+        _stats_split_kernel[(e - s, splits)](
+            u, u.stride(0), targets[s:e], part[s:e], zt[s:e], vocab, span, float(ep.inp), float(ep.out),
+            TANH=ep.tanh, ENTROPY=need_entropy, ZMEAN=need_zmean, SUMSQ=need_sumsq, TOP1=need_top1, BLOCK=block,
+            num_warps=8 if block >= 2048 else 4,
         )
-    return Stats(lse=lse, target=zt, entropy=ent, zmean=zmean)
+    return Stats(target=zt, **_combine_splits(part, vocab, zt, want))
 
 
 def _grad_rows(u: Tensor, col0: int, targets: Tensor, lse: Tensor, coef: list[Tensor | None], ep: Epilogue) -> None:
