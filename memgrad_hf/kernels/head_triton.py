@@ -438,10 +438,8 @@ def head_backward_vocab_blocks(
         w_blk = weight[v0:v1]
         b_blk = None if bias is None else bias[v0:v1]
         du = _logits(hidden, w_blk, b_blk, torch.empty(n, v1 - v0, dtype=weight.dtype, device=hidden.device))
-        g_blk = gamma
-        if g_blk is not None:  # the target term only where the target falls in this block (no host sync)
-            g_blk = g_blk * ((targets >= v0) & (targets < v1))
-        _grad_rows(du, v0, targets, lse, [alpha, beta, g_blk, delta], ep)
+        # the kernel adds the target term only where the target's column falls inside this block
+        _grad_rows(du, v0, targets, lse, [alpha, beta, gamma, delta], ep)
         if dx is not None:
             _mm_f32(du, w_blk, dx) if lp else dx.addmm_(du, w_blk)
         dw_blk = _mm_f32(du.t(), hidden).to(weight.dtype) if lp else du.t() @ hidden
