@@ -248,16 +248,18 @@ def _accumulate(
             db.add_(du_lp.sum(0, dtype=db.dtype) if du_lp.dtype != db.dtype else du_lp.sum(0))
 
 
-def default_chunk_size(n_tokens: int, hidden: int, vocab: int) -> int:
+def default_chunk_size(n_tokens: int, hidden: int, vocab: int, logit_bytes: int = 4) -> int:
     """Tokens per chunk, a power of two.
 
-    The fp32 ``[chunk x vocab]`` block is sized to at least twice the hidden states and to at least 256 tokens —
-    each chunk re-reads and re-writes the ``[vocab x hidden]`` weight-gradient accumulator, so fewer than ~256
-    tokens per chunk makes that accumulation memory-bound (measured on CPU at vocab 128256: 27.1 s at 128 tokens,
-    23.8 s at 256, 23.0 s at 512) — and never above 256 MiB.
+    The ``[chunk x vocab]`` block of logits is sized to at least twice the fp32 hidden states and to at least
+    256 fp32 rows — each chunk re-reads and re-writes the ``[vocab x hidden]`` weight-gradient accumulator, so fewer
+    than ~256 tokens per chunk makes that accumulation memory-bound (measured on CPU at vocab 128256: 27.1 s at 128
+    tokens, 23.8 s at 256, 23.0 s at 512) — and never above 256 MiB. ``logit_bytes``: bytes per stored logit (4 on
+    the torch path; the Triton path keeps them in the weight's dtype, so a bf16 model gets twice the tokens in the
+    same bytes, and half the accumulator traffic).
     """
     budget = min(max(2 * n_tokens * hidden * 4, 256 * vocab * 4), 256 << 20)
-    c = max(budget // (4 * vocab), 16)
+    c = max(budget // (logit_bytes * vocab), 16)
     c = 1 << (int(c).bit_length() - 1)
     return int(max(1, min(c, n_tokens)))
 

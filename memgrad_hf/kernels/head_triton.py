@@ -38,6 +38,7 @@ from memgrad_hf.kernels.head import (  # noqa: F401  (the torch path's other sch
 from memgrad_hf.kernels.triton_common import round_bf16
 
 PREFERS_FUSED = True  # functional.linear_cross_entropy: gradients in the forward pass by default with this backend
+LOGITS_IN_WEIGHT_DTYPE = True  # ... and its chunks sized by the weight's element size (default_chunk_size)
 _GRAD_BLOCK = 1024  # columns per program of the gradient kernel
 
 
