@@ -112,6 +112,16 @@ def _smoke_head_triton(kind: str) -> None:
     ref = torch.nn.functional.cross_entropy(h @ w.t(), y)
     if not torch.allclose(loss, ref, rtol=1e-4, atol=1e-5):
         raise RuntimeError(f"smoke test: Triton loss {loss.item()} != {ref.item()}")
+    # the statistics kernel (log-probs, entropy, top-1: TRL's fused-head trainers) over several column splits
+    w = torch.randn(300, 16, generator=g).to(kind)  # three splits of 128 columns
+    y = torch.tensor([0, 130, 299, 7], device=kind)
+    st = head_triton.head_stats(h, w, None, y, Epilogue(), chunk_size=4, need_entropy=True, need_top1=True)
+    logp = (h @ w.t()).log_softmax(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    top1 = (h @ w.t()).argmax(-1) == y
+    if not (torch.allclose(st.target - st.lse, logp.gather(1, y[:, None]).squeeze(1), rtol=1e-4, atol=1e-5)
+            and torch.allclose(st.entropy, ent, rtol=1e-4, atol=1e-5) and torch.equal(st.top1, top1)):
+        raise RuntimeError("smoke test: Triton head statistics differ from torch's")
 
 
 def _smoke_forge_triton(kind: str) -> None:
