@@ -49,6 +49,7 @@ CONFIGS = {
                                            activation_checkpointing=True),
     # optim_args kernel=split (GPU): dW tiles by cuBLAS, then the update kernel, instead of the fused Triton kernel
     "forge_lion+split": dict(optim="forge_lion", optim_args="kernel=split"),
+    "forge_lion+split16": dict(optim="forge_lion", optim_args=f"kernel=split,tile_bytes={16 << 20}"),  # L2-sized
     "forge_adamw+bf16_state+split": dict(optim="forge_adamw", optim_args="state_dtype=bf16,kernel=split"),
     # Trainer(torch_compile=True): fewer host launches per step, which is what bounds a ~1B model at batch 1
     "adamw_torch_fused+compile": dict(optim="adamw_torch_fused", torch_compile=True),

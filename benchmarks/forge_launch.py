@@ -97,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append((f"{what}: {type(e).__name__}", 0, 0, 0))
         tiles.clear()
         tiles.update(default)
+        # kernel=split: rows per cuBLAS dW tile (tile_bytes of fp32-equivalent dW; a bf16 tile is half that): a tile
+        # small enough to stay in L2 between its GEMM and its update saves the gradient's trip to memory
+        for mib in (4, 8, 16, 32, 64):
+            r = K.row_tiles(a.out, a.in_f, mib << 20)
+            rows.append((f"sweep, split, bf16 state: tile_bytes {mib} MiB ({r} rows)", *_time(
+                lambda r=r: forge_triton.linear_weight_step_split("adamw", dy, x, w.data, states["bf16"], hp, 5,
+                                                                  rows_per_tile=r), a.calls)))
     lin = torch.nn.Linear(a.in_f, a.out, bias=False, device=dev, dtype=bf)
     opt = ForgeAdamW(lin.parameters(), model=lin, lr=1e-4)
     opt._mode = "apply"
