@@ -137,6 +137,13 @@ def _ce_rows_kernel(
                     TANH, False, True, SMOOTH, BLOCK)
 
 
+def _logits_buffer(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialized ``[rows, cols]`` logits buffer whose row stride is padded to a multiple of 64 elements: the
+    GEMMs that write and read it want 16-byte-aligned rows (a vocabulary such as GPT-2's 50257 would otherwise send
+    every logits GEMM of a chunk to cuBLAS's slow unaligned kernels); the kernels take the row stride."""
+    return torch.empty(rows, -(-cols // 64) * 64, dtype=dtype, device=device)[:, :cols]
+
+
 def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, buf: Tensor) -> Tensor:
     out = buf[: h.shape[0]]
     if bias is None:
@@ -171,7 +178,7 @@ def fused_cross_entropy(
                                    torch.zeros(weight.shape, dtype=accum_dtype, device=weight.device))
     db = torch.zeros(vocab, dtype=accum_dtype, device=weight.device) if need_db else None
     rows_loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    buf = torch.empty(min(n, chunk_size), vocab, dtype=weight.dtype, device=hidden.device)
+    buf = _logits_buffer(min(n, chunk_size), vocab, weight.dtype, hidden.device)
     tw = token_weight.to(torch.float32).contiguous()
     block = min(4096, triton.next_power_of_2(vocab))
     for s in range(0, n, chunk_size):
@@ -325,7 +332,7 @@ def head_stats(
     splits, span, block = _stats_split(chunk, vocab)
     part = torch.empty(n, splits, 6, dtype=torch.float32, device=hidden.device)
     zt = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    buf = torch.empty(chunk, vocab, dtype=weight.dtype, device=hidden.device)
+    buf = _logits_buffer(chunk, vocab, weight.dtype, hidden.device)
     for s in range(0, n, chunk_size):
         e = min(s + chunk_size, n)
         u = _logits(hidden[s:e], weight, bias, buf)
@@ -377,7 +384,7 @@ def head_backward(
     dx = torch.empty_like(hidden) if need_dx else None
     dw = _dw_buffer(weight, n, accum_dtype) if need_dw else None
     db = torch.zeros(vocab, dtype=accum_dtype, device=weight.device) if need_db else None
-    buf = torch.empty(min(n, chunk_size), vocab, dtype=weight.dtype, device=hidden.device)
+    buf = _logits_buffer(min(n, chunk_size), vocab, weight.dtype, hidden.device)
     for s in range(0, n, chunk_size):
         e = min(s + chunk_size, n)
         h = hidden[s:e]
@@ -438,7 +445,7 @@ def head_backward_vocab_blocks(
         v1 = min(v0 + vb, vocab)
         w_blk = weight[v0:v1]
         b_blk = None if bias is None else bias[v0:v1]
-        du = _logits(hidden, w_blk, b_blk, torch.empty(n, v1 - v0, dtype=weight.dtype, device=hidden.device))
+        du = _logits(hidden, w_blk, b_blk, _logits_buffer(n, v1 - v0, weight.dtype, hidden.device))
         # the kernel adds the target term only where the target's column falls inside this block
         _grad_rows(du, v0, targets, lse, [alpha, beta, gamma, delta], ep)
         if dx is not None:
