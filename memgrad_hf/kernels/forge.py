@@ -398,8 +398,11 @@ def _add_into(sums: tuple[Tensor, Tensor] | None, norm: Tensor, bad: Tensor) -> 
 
 
 def row_tiles(rows: int, cols: int, tile_bytes: int = 4 << 20) -> int:
-    """Rows per weight-gradient tile so that one fp32 tile stays near ``tile_bytes`` (at least 16 rows)."""
-    return max(16, min(rows, tile_bytes // max(4 * cols, 1)))
+    """Rows per weight-gradient tile so that one fp32 tile stays near ``tile_bytes`` (at least 16 rows; a multiple of
+    128 from 128 on, so that every tile starts on a GEMM tile boundary and on a 16-byte-aligned column of ``dY``:
+    e.g. 1524 rows of an 11008-wide weight would give cuBLAS unaligned operands in every tile but the first)."""
+    r = max(16, min(rows, tile_bytes // max(4 * cols, 1)))
+    return r if r == rows or r < 128 else r - r % 128
 
 
 def linear_weight_tiles(
