@@ -450,7 +450,10 @@ def head_backward_vocab_blocks(
         _grad_rows(du, v0, targets, lse, [alpha, beta, gamma, delta], ep)
         if dx is not None:
             _mm_f32(du, w_blk, dx) if lp else dx.addmm_(du, w_blk)
-        dw_blk = _mm_f32(du.t(), hidden).to(weight.dtype) if lp else du.t() @ hidden
+        if lp and not du.is_cuda:
+            dw_blk = _mm_f32(du.t(), hidden).to(weight.dtype)
+        else:  # cuBLAS sums a low-precision GEMM in fp32 and rounds once: autograd's own dW GEMM, no fp32 copy
+            dw_blk = du.t() @ hidden
         db_blk = du.sum(0, dtype=torch.float32).to(bias.dtype) if (need_db and bias is not None) else None
         del du
         on_weight_block(v0, v1, dw_blk, db_blk)
