@@ -337,7 +337,8 @@ def linear_cross_entropy(
         total = _ce_from_stats(lse, zt, zmean, label_smoothing, z_loss).sum()
         return total / (denom.to(total.device) if isinstance(denom, Tensor) else float(denom))
     if chunk_size is None and getattr(head_impl(hv.device), "LOGITS_IN_WEIGHT_DTYPE", False):
-        # the fused kernels hold a chunk's logits in the weight's dtype: as many bytes, more tokens per chunk
+        # the fused kernels hold a chunk's logits in the weight's dtype: a bf16 chunk fills the byte budget with
+        # twice the tokens, so the fp32 weight-gradient accumulator is re-read half as often
         chunk = K.default_chunk_size(n_valid, weight.shape[1], weight.shape[0], weight.element_size())
     if isinstance(denom, Tensor):
         w = (1.0 / denom.to(device=hv.device, dtype=torch.float32)).expand(n_valid)

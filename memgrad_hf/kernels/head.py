@@ -256,7 +256,7 @@ def default_chunk_size(n_tokens: int, hidden: int, vocab: int, logit_bytes: int 
     than ~256 tokens per chunk makes that accumulation memory-bound (measured on CPU at vocab 128256: 27.1 s at 128
     tokens, 23.8 s at 256, 23.0 s at 512) — and never above 256 MiB. ``logit_bytes``: bytes per stored logit (4 on
     the torch path; the Triton path keeps them in the weight's dtype, so a bf16 model gets twice the tokens in the
-    same bytes, and half the accumulator traffic).
+    bytes fp32 logits would take, and half the accumulator traffic).
     """
     budget = min(max(2 * n_tokens * hidden * 4, 256 * vocab * 4), 256 << 20)
     c = max(budget // (logit_bytes * vocab), 16)
