@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
 #   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
-#   [evaluate] [head-profile] [forge-host] [forge-7b] [forge-compile]   (default: all but the last five)
+#   [evaluate] [head-profile] [forge-host] [forge-7b] [forge-compile] [demo]   (default: all but the last six)
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
 # (2026-11-22/23): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~5 (nine configs; now ten with adamw_bnb_8bit, from
 # the bitsandbytes wheel in the untracked .whl/, which must stay under the device's 64 MiB carry limit), forge-profile
 # ~2, head-profile > 3 (its GRPO half did not finish in a 90 s limit), titans (kernel table, four shapes) ~4; titans-layer
 # (vs titans-pytorch) and forge-7b not yet seen: plan device calls of <= 10 min around them. Open questions, in
-# order (2026-11-23): call 1 `checks head grpo` (aligned vocabulary blocks; the memgrad_recompute head peer), call 2
+# order (2026-11-23): call 1 `checks head grpo demo` (aligned vocabulary blocks, split statistics, SFT outputs; the
+# memgrad_recompute head peer; the demo's Trainer table on a GPU, never run), call 2
 # `forge-host forge-7b` (BN 128 tiles, 8-bit included; the fused kernel's device time against kernel=split's cuBLAS
 # tiles; FORGE where a step is device-bound), call 3 `titans
 # titans-layer` (the kernel table with the Titans row kernels, peer manual_torch_rows without them, and without the
@@ -66,6 +67,9 @@ for part in $parts; do
         python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
           --seq 1024 --steps 4 --repeats 1 --host-profile --configs adamw_torch_fused forge_lion; } 2>&1 \
         | tee "$out/forge-host.md" ;;
+    demo)  # the user's view: HF Trainer end to end, stock vs patch_model vs + forge_adamw, Llama-3-sized vocabulary
+      python -m memgrad_hf.cli demo --bf16 --vocab 128256 --hidden 2048 --layers 4 --batch 4 --seq 1024 --steps 10 2>&1 \
+        | tee "$out/demo.md" ;;
     evaluate) python -m benchmarks.evaluate --device cuda --vocab 128256 --hidden 1024 --seq 1024 --rows 32 \
         --repeats 5 2>&1 | tee "$out/evaluate.md" ;;
     *) echo "unknown part $part"; status=1 ;;
