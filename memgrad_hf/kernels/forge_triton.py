@@ -198,9 +198,11 @@ def _forge_linear_kernel(
             g = _round_bf16(g)
         elif G_LOWP == 2:
             g = g.to(tl.float16).to(tl.float32)
-        # element index in the parameter (row-major), for the rounding noise: the twin hashes the same index
-        idx = (rows[:, None] * IN + cols[None, :]).to(tl.uint32, bitcast=True) + idx_off.to(tl.uint32, bitcast=True)
-        soffs = rows[:, None] * IN + cols[None, :]  # state tensors are contiguous
+        # weight and state are contiguous (the wrappers check), so the weight offsets index the state too, and are
+        # each element's index in the parameter (row-major) for the rounding noise, as the twin hashes it; one
+        # [BM, BN] index tensor in registers instead of three
+        soffs = offs
+        idx = offs.to(tl.uint32, bitcast=True) + idx_off.to(tl.uint32, bitcast=True)
         # 8-bit scales: [OUT, S_COLS], one per row and 64-column block; a tile row spans BN // 64 of them
         bidx = pid_n * (BN // 64) + tl.arange(0, BN // 64)
         sblk = rows[:, None] * S_COLS + bidx[None, :]
