@@ -62,28 +62,43 @@ def _epilogue(u, inp, out, TANH: tl.constexpr):
 
 
 @triton.jit
-def _row_stats(base, V, inp, out, TANH: tl.constexpr, ENTROPY: tl.constexpr, ZMEAN: tl.constexpr,
-               BLOCK: tl.constexpr):
-    """One online pass over a row of logits: ``(lse, Σ p z, Σ z)`` (the last two 0 unless asked for)."""
+def _online_stats(base, c0, c1, t, inp, out, TANH: tl.constexpr, ENTROPY: tl.constexpr, ZMEAN: tl.constexpr,
+                  SUMSQ: tl.constexpr, TOP1: tl.constexpr, BLOCK: tl.constexpr):
+    """One online pass over columns ``[c0, c1)`` (``c0 < c1``) of a row of logits: ``(m, Σe, Σe·z, Σz, Σe², max z
+    before column t)`` with ``e = exp(z - m)``; the last four 0 / -inf unless asked for."""
     cols0 = tl.arange(0, BLOCK)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
-    sz = tl.zeros((), tl.float32)  # Σ exp(z - m) z, rescaled with s
+    sz = tl.zeros((), tl.float32)
     zsum = tl.zeros((), tl.float32)
-    for v0 in range(0, V, BLOCK):
+    sq = tl.zeros((), tl.float32)
+    mb = tl.full((), float("-inf"), tl.float32)
+    for v0 in range(c0, c1, BLOCK):
         cols = v0 + cols0
-        ok = cols < V
+        ok = cols < c1
         z = _epilogue(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), inp, out, TANH)
         zm = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(zm, 0))
-        scale = tl.exp(m - m_new)
+        scale = tl.exp(m - m_new)  # the first block is never all masked (c0 < c1), so m_new is finite
         e = tl.exp(zm - m_new)
         s = s * scale + tl.sum(e, 0)
         if ENTROPY:
             sz = sz * scale + tl.sum(tl.where(ok, e * z, 0.0), 0)
         if ZMEAN:
             zsum += tl.sum(tl.where(ok, z, 0.0), 0)
+        if SUMSQ:
+            sq = sq * scale * scale + tl.sum(e * e, 0)
+        if TOP1:
+            mb = tl.maximum(mb, tl.max(tl.where(cols < t, zm, float("-inf")), 0))
         m = m_new
+    return m, s, sz, zsum, sq, mb
+
+
+@triton.jit
+def _row_stats(base, V, inp, out, TANH: tl.constexpr, ENTROPY: tl.constexpr, ZMEAN: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """One online pass over a whole row of logits: ``(lse, Σ p z, Σ z)`` (the last two 0 unless asked for)."""
+    m, s, sz, zsum, _, _ = _online_stats(base, 0, V, 0, inp, out, TANH, ENTROPY, ZMEAN, False, False, BLOCK)
     return m + tl.log(s), sz / s, zsum
 
 
@@ -225,31 +240,7 @@ def _stats_split_kernel(
     c0 = sp * span
     c1 = tl.minimum(c0 + span, V)
     t = tl.load(t_ptr + row)
-    cols0 = tl.arange(0, BLOCK)
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    sz = tl.zeros((), tl.float32)
-    zsum = tl.zeros((), tl.float32)
-    sq = tl.zeros((), tl.float32)
-    mb = tl.full((), float("-inf"), tl.float32)
-    for v0 in range(c0, c1, BLOCK):
-        cols = v0 + cols0
-        ok = cols < c1
-        z = _epilogue(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), inp, out, TANH)
-        zm = tl.where(ok, z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(zm, 0))
-        scale = tl.exp(m - m_new)  # the first block is never all masked (c0 < c1), so m_new is finite
-        e = tl.exp(zm - m_new)
-        s = s * scale + tl.sum(e, 0)
-        if ENTROPY:
-            sz = sz * scale + tl.sum(tl.where(ok, e * z, 0.0), 0)
-        if ZMEAN:
-            zsum += tl.sum(tl.where(ok, z, 0.0), 0)
-        if SUMSQ:
-            sq = sq * scale * scale + tl.sum(e * e, 0)
-        if TOP1:
-            mb = tl.maximum(mb, tl.max(tl.where(cols < t, zm, float("-inf")), 0))
-        m = m_new
+    m, s, sz, zsum, sq, mb = _online_stats(base, c0, c1, t, inp, out, TANH, ENTROPY, ZMEAN, SUMSQ, TOP1, BLOCK)
     pp = part_ptr + (row * tl.num_programs(1) + sp) * 6
     tl.store(pp, m)
     tl.store(pp + 1, s)
