@@ -1,10 +1,11 @@
 """Inside HF Trainer: patched training equals stock training step by step (GA=2, padding labels)."""
 
 import copy
+import time
 
 import pytest
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import memgrad_hf
 from memgrad_hf.callbacks import MemoryReportCallback
@@ -103,6 +104,24 @@ def test_memory_report_callback_logs_metrics(tmp_path):
         assert h["peak_mem_mb"] > 0 and h["peak_added_mem_mb"] >= 0 and h["tokens_per_s"] > 0
         assert h["step_time_s"] > 0
     assert cb.summary["steps"] == 3 and cb.summary["tokens_per_s"] > 0
+
+
+def test_memory_report_summary_leaves_out_the_first_step(tmp_path):
+    # The summary's throughput, like its step time, must not count one-off costs of the first step (compilation,
+    # autotuning): a 1 s stall inside step 1 must not show in tokens/s.
+    class SlowFirstStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 0:
+                time.sleep(1.0)
+
+    cb = MemoryReportCallback()
+    trainer = _train(tiny_model("llama"), tmp_path, 1, callbacks=[cb, SlowFirstStep()])
+    assert cb._step_times[0] >= 1.0 and cb.summary["step_time_s"] < 0.5
+    tokens_per_step = trainer.state.num_input_tokens_seen / 3
+    # elapsed time after step 1 >= the two later steps' time: an upper bound on the throughput, and with ~nothing
+    # between steps of this tiny model, the rate the summary reports is within 0.5 s of overhead of it.
+    rate_from_steps = 2 * tokens_per_step / sum(cb._step_times[1:])
+    assert 2 * tokens_per_step / (sum(cb._step_times[1:]) + 0.5) <= cb.summary["tokens_per_s"] <= rate_from_steps
 
 
 def test_trainer_bf16_autocast_close_to_stock(tmp_path):

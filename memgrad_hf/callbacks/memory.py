@@ -17,7 +17,9 @@ class MemoryReportCallback(TrainerCallback):
     Peak memory is the CUDA caching allocator's peak (``torch.cuda.max_memory_allocated``) on a GPU and the
     process's peak resident set (``VmHWM``, reset when training starts) on CPU; ``peak_added_mem_mb`` is that peak
     minus what was in use when training started (model, data). Token counting switches the Trainer's
-    ``include_num_input_tokens_seen`` on if it was off. After training, :attr:`summary` holds the run's totals.
+    ``include_num_input_tokens_seen`` on if it was off. After training, :attr:`summary` holds the run's totals:
+    the peaks, the median step time and the throughput, both without the first step (which pays one-off costs such
+    as kernel compilation).
 
     Example::
 
@@ -36,6 +38,7 @@ class MemoryReportCallback(TrainerCallback):
         self._step_times: list[float] = []
         self._since_log: list[float] = []
         self._tokens0 = 0
+        self._warm: tuple[float, int] | None = None  # (time, tokens) at the end of the first step
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if getattr(args, "include_num_input_tokens_seen", "no") in ("no", False):
@@ -49,6 +52,7 @@ class MemoryReportCallback(TrainerCallback):
         self._tokens0 = state.num_input_tokens_seen
         self._step_times.clear()
         self._since_log.clear()
+        self._warm = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._device.type == "cuda":
@@ -61,6 +65,8 @@ class MemoryReportCallback(TrainerCallback):
         dt = time.perf_counter() - self._t_step
         self._step_times.append(dt)
         self._since_log.append(dt)
+        if self._warm is None:
+            self._warm = (time.perf_counter(), state.num_input_tokens_seen)
 
     def _metrics(self, state: Any) -> dict[str, float]:
         peak = memory.peak_bytes(self._device) or 0
@@ -88,4 +94,7 @@ class MemoryReportCallback(TrainerCallback):
         times = sorted(self._step_times[1:] or self._step_times)  # the first step pays one-off costs
         m["step_time_s"] = round(times[len(times) // 2], 4) if times else float("nan")
         m["steps"] = len(self._step_times)
+        if self._warm is not None and len(self._step_times) > 1:  # throughput after the first step, like the time
+            t0, n0 = self._warm
+            m["tokens_per_s"] = round((state.num_input_tokens_seen - n0) / max(time.perf_counter() - t0, 1e-9), 1)
         self.summary = m
