@@ -305,3 +305,62 @@ def test_cross_entropy_exact_when_target_probability_underflows(kw):
     for a, r in zip(torch.autograd.grad(out, _params(h, w, b)), torch.autograd.grad(ref, _params(h, w, b)),
                     strict=True):
         assert rel_err(a, r) < 1e-5
+
+
+def test_ids_are_checked_and_compacted_with_one_host_sync(monkeypatch):
+    # every host sync stalls a GPU's launch queue: the ignore mask and the id range cost one together. What would
+    # sync on a GPU (a value read back, or nonzero's data-dependent size) is counted at the Python methods.
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: (reads.append(_n),
+                                                                                           _r(self, *a, **k))[1])
+    h, w, _, y = _inputs()
+    lp = linear_logprobs(h, w, y)
+    assert len(reads) == 1, reads
+    monkeypatch.undo()
+    ref = (h @ w.T).log_softmax(-1).gather(-1, y.clamp(min=0)[:, None]).squeeze(-1) * (y != -100)
+    assert rel_err(lp, ref) < 1e-5  # the compacted positions land back where they were
+    bad = y.clone()
+    bad[1] = V  # out of range next to ignored positions
+    with pytest.raises(ValueError, match="outside"):
+        linear_logprobs(h, w, bad)
+    with pytest.raises(ValueError, match="outside"):  # -100 is an id like any other without an ignore_index
+        linear_logprobs(h, w, y, ignore_index=None)
+
+
+def test_stats_forward_chunk_spends_the_weight_gradients_bytes(monkeypatch):
+    # On the Triton path the statistics' forward holds one logits buffer; its backward holds the weight gradient
+    # plus one logits block. The forward chunk may take the gradient's bytes, never more, and only when the
+    # backward will hold that gradient; the backward keeps its own chunk. Results are exact either way.
+    import memgrad_hf.functional as Fn
+    from memgrad_hf.kernels import head as K
+
+    seen = {}
+    real_stats, real_bwd = K.head_stats, K.head_backward
+    monkeypatch.setattr(K, "LOGITS_IN_WEIGHT_DTYPE", True, raising=False)  # as the Triton head declares
+    monkeypatch.setattr(K, "head_stats", lambda *a, **k: (seen.__setitem__("fwd", k["chunk_size"]),
+                                                          real_stats(*a, **k))[1])
+    monkeypatch.setattr(K, "head_backward", lambda *a, **k: (seen.__setitem__("bwd", k["chunk_size"]),
+                                                             real_bwd(*a, **k))[1])
+    n, d, v = 512, 200, 64
+    h = torch.randn(n, d, requires_grad=True)
+    w = (torch.randn(v, d) * 0.5).requires_grad_()
+    y = torch.randint(0, v, (n,))
+    fwd, bwd = Fn._stats_chunks(None, n, h, w)
+    assert fwd > bwd and fwd * v * w.element_size() <= bwd * v * w.element_size() + w.numel() * w.element_size()
+    assert fwd % 128 == 0
+    lp = linear_logprobs(h, w, y)
+    g = torch.autograd.grad(lp.sum(), (h, w))
+    assert seen == {"fwd": fwd, "bwd": bwd}
+    ref = (h @ w.T).log_softmax(-1).gather(-1, y[:, None]).squeeze(-1)
+    exp = torch.autograd.grad(ref.sum(), (h, w))
+    assert rel_err(lp, ref) < 1e-5 and all(rel_err(a, b) < 1e-5 for a, b in zip(g, exp, strict=True))
+    # no weight gradient to come (frozen head, no grad, a consumer taking it in blocks) or a chunk given: one size
+    assert Fn._stats_chunks(None, n, h, w.detach()) == (bwd, bwd)
+    with torch.no_grad():
+        assert Fn._stats_chunks(None, n, h, w) == (bwd, bwd)
+    assert Fn._stats_chunks(None, n, h, w, consumer=print) == (bwd, bwd)
+    assert Fn._stats_chunks(7, n, h, w) == (7, 7)
+    monkeypatch.setattr(K, "LOGITS_IN_WEIGHT_DTYPE", False)  # the torch path: several chunk-sized temporaries
+    assert Fn._stats_chunks(None, n, h, w) == (bwd, bwd)
