@@ -1,6 +1,7 @@
 """FORGE in HF Trainer against torch.optim (fp32): weights, logged losses and grad norms match."""
 
 import copy
+import types
 
 import pytest
 import torch
@@ -244,6 +245,11 @@ def test_constructor_errors():
         ForgeAdamW(model.parameters(), model=model, tile_bytes=0)
     opt = ForgeAdamW(model.parameters(), model=model)  # automatic tiles: 4 MiB on CPU, 64 MiB on a GPU
     assert opt._tile_bytes(model.lm_head.weight) == 4 << 20
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda"))  # only the device is read
+    assert opt._tile_bytes(on_gpu) == opt._tile_bytes(on_gpu, linear=True) == 64 << 20
+    opt.kernel = "split"  # cuBLAS tiles: a linear layer's tiles cost host time each, so they are larger
+    assert opt._tile_bytes(on_gpu, linear=True) == 256 << 20 and opt._tile_bytes(on_gpu) == 64 << 20
+    assert opt._tile_bytes(model.lm_head.weight, linear=True) == 4 << 20
     opt.detach()
     assert ForgeAdamW(model.parameters(), model=model, tile_bytes=1 << 16)._tile_bytes(model.lm_head.weight) == 1 << 16
 
