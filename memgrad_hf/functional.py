@@ -242,19 +242,25 @@ def _stats_chunks(chunk_size: int | None, n: int, hidden: Tensor, weight: Tensor
                   consumer: Any = None) -> tuple[int, int]:
     """Tokens per chunk for :class:`_ChunkedHeadStats`: ``(forward, backward)``.
 
-    The backward holds the whole weight gradient (unless a consumer takes it in blocks) plus one logits block of
-    ``backward x vocab``; the Triton forward holds one ``forward x vocab`` logits buffer and nothing else of that
-    size (both in the weight's dtype). So a forward chunk of ``backward + hidden`` tokens (the gradient's bytes
-    spent on logits rows) never raises the call's peak, and its logits GEMMs are fewer and larger (GRPO at
-    Qwen2.5's vocabulary: 1152 tokens per chunk instead of 256; cuBLAS ran the 256-token ones at ~75% of the rate
-    of 820-token ones on an H100). The torch forward keeps several chunk-sized temporaries: same chunk both ways.
+    On the Triton path logits live in the weight's dtype, so the byte budget of ``default_chunk_size`` holds twice
+    the bf16 tokens (as for the fused cross-entropy). The backward holds the whole weight gradient (unless a
+    consumer takes it in blocks) plus one ``backward x vocab`` logits block; the forward holds one ``forward x
+    vocab`` logits buffer and nothing else of that size. So a forward chunk of ``backward + hidden`` tokens (the
+    gradient's bytes spent on logits rows) never raises the call's peak, and its logits GEMMs are fewer and larger
+    (GRPO at Qwen2.5's vocabulary, bf16: 1408 tokens per chunk, 512 in backward, where both were 256; cuBLAS ran
+    the 256-token GEMMs at ~75% of the rate of 820-token ones on an H100). The torch path keeps several
+    chunk-sized fp32 temporaries: one chunk size both ways.
     """
-    chunk = chunk_size or K.default_chunk_size(max(n, 1), weight.shape[1], weight.shape[0])
-    dw_held = consumer is None and weight.requires_grad and torch.is_grad_enabled()
-    if chunk_size is not None or not dw_held or not getattr(head_impl(hidden.device), "LOGITS_IN_WEIGHT_DTYPE",
-                                                            False):
+    if chunk_size is not None:
+        return chunk_size, chunk_size
+    vocab, dim = weight.shape
+    if not getattr(head_impl(hidden.device), "LOGITS_IN_WEIGHT_DTYPE", False):
+        chunk = K.default_chunk_size(max(n, 1), dim, vocab)
         return chunk, chunk
-    fwd = chunk + weight.shape[1]
+    chunk = K.default_chunk_size(max(n, 1), dim, vocab, weight.element_size())
+    if consumer is not None or not (weight.requires_grad and torch.is_grad_enabled()):
+        return chunk, chunk
+    fwd = chunk + dim
     return (fwd - fwd % 128 if fwd >= 128 else fwd), chunk
 
 

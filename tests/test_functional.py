@@ -362,5 +362,10 @@ def test_stats_forward_chunk_spends_the_weight_gradients_bytes(monkeypatch):
         assert Fn._stats_chunks(None, n, h, w) == (bwd, bwd)
     assert Fn._stats_chunks(None, n, h, w, consumer=print) == (bwd, bwd)
     assert Fn._stats_chunks(7, n, h, w) == (7, 7)
+    # bf16 logits: the same bytes hold twice the tokens (as default_chunk_size counts them)
+    big_h, big_w = torch.empty(4096, 16), torch.empty(8192, 16, requires_grad=True)
+    f32 = Fn._stats_chunks(None, 4096, big_h, big_w)
+    bf16 = Fn._stats_chunks(None, 4096, big_h.bfloat16(), big_w.detach().bfloat16().requires_grad_())
+    assert f32 == (256 + 16 - (256 + 16) % 128, 256) and bf16 == (512 + 16 - (512 + 16) % 128, 512)
     monkeypatch.setattr(K, "LOGITS_IN_WEIGHT_DTYPE", False)  # the torch path: several chunk-sized temporaries
-    assert Fn._stats_chunks(None, n, h, w) == (bwd, bwd)
+    assert Fn._stats_chunks(None, n, h, w) == (bwd, bwd) and Fn._stats_chunks(None, 4096, big_h, big_w) == (256, 256)
