@@ -376,13 +376,12 @@ def grads_from_blocks(vocab_blocks: Callable[..., tuple[Tensor | None, Tensor | 
     dw = torch.empty_like(weight)
     db = torch.empty_like(bias) if need_db and bias is not None else None
 
-    def keep(v0: int, v1: int, dw_blk: Tensor, db_blk: Tensor | None) -> None:
-        dw[v0:v1] = dw_blk
+    def keep(v0: int, v1: int, dw_blk: Tensor, db_blk: Tensor | None) -> None:  # dW blocks are written in place
         if db is not None:
             db[v0:v1] = db_blk
 
     dx, _ = vocab_blocks(hidden, weight, bias, targets, lse, ep, *coef, keep, need_dx=need_dx,
-                         need_db=db is not None, **budgets)
+                         need_db=db is not None, dw_out=dw, **budgets)
     return dx, dw, db
 
 
@@ -403,13 +402,16 @@ def head_backward_vocab_blocks(
     weight_block_bytes: int | None = None,
     need_dx: bool = True,
     need_db: bool = False,
+    dw_out: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Like :func:`head_backward`, but walks the vocabulary in row blocks: each block's weight gradient
     ``dW[v0:v1]`` (and bias gradient) is complete once computed and is handed to ``on_weight_block(v0, v1, dW_blk,
     db_blk)`` at once (an optimizer applies it and drops it); the full ``dW`` never exists. Returns ``(dX, db)``
     with ``db`` None (it went to the callback). ``lse`` from the forward makes each block's softmax exact.
     A block keeps both its ``[tokens x block]`` logits under ``block_bytes`` and its ``[block x hidden]`` weight
-    gradient under ``weight_block_bytes`` (None: 32 MiB and 4 MiB, cache-sized work for a CPU)."""
+    gradient under ``weight_block_bytes`` (None: 32 MiB and 4 MiB, cache-sized work for a CPU). With ``dw_out``
+    (``[vocab x hidden]``, the weight's dtype) each block's gradient is formed in ``dw_out[v0:v1]``, the view the
+    callback then receives (no copy)."""
     n, vocab = hidden.shape[0], weight.shape[0]
     block_bytes, weight_block_bytes = block_bytes or (32 << 20), weight_block_bytes or (4 << 20)
     vb = aligned_block(min(vocab, block_bytes // max(4 * n, 1), weight_block_bytes // max(4 * hidden.shape[1], 1)))
@@ -430,7 +432,12 @@ def head_backward_vocab_blocks(
         du = p if not lp else p.to(weight.dtype)
         if dx is not None:
             _mm_f32(du, w_blk, dx) if lp else dx.addmm_(du, w_blk)
-        dw_blk = (du.t() @ hidden) if not lp else _mm_f32(du.t(), hidden).to(weight.dtype)
+        if dw_out is None:
+            dw_blk = (du.t() @ hidden) if not lp else _mm_f32(du.t(), hidden).to(weight.dtype)
+        elif lp:
+            dw_blk = dw_out[v0:v1].copy_(_mm_f32(du.t(), hidden))
+        else:
+            dw_blk = torch.mm(du.t(), hidden, out=dw_out[v0:v1])
         db_blk = du.sum(0, dtype=torch.float32).to(bias.dtype) if (need_db and bias is not None) else None
         del p, z, dcap
         on_weight_block(v0, v1, dw_blk, db_blk)

@@ -419,6 +419,7 @@ def head_backward_vocab_blocks(
     weight_block_bytes: int | None = None,
     need_dx: bool = True,
     need_db: bool = False,
+    dw_out: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Same contract as the torch twin :func:`memgrad_hf.kernels.head.head_backward_vocab_blocks`: walk the
     vocabulary in row blocks over every token at once, hand each block's complete weight (and bias) gradient to
@@ -441,10 +442,12 @@ def head_backward_vocab_blocks(
         _grad_rows(du, v0, targets, lse, [alpha, beta, gamma, delta], ep)
         if dx is not None:
             _mm_f32(du, w_blk, dx) if lp else dx.addmm_(du, w_blk)
+        out = None if dw_out is None else dw_out[v0:v1]
         if lp and not du.is_cuda:
             dw_blk = _mm_f32(du.t(), hidden).to(weight.dtype)
+            dw_blk = dw_blk if out is None else out.copy_(dw_blk)
         else:  # cuBLAS sums a low-precision GEMM in fp32 and rounds once: autograd's own dW GEMM, no fp32 copy
-            dw_blk = du.t() @ hidden
+            dw_blk = torch.mm(du.t(), hidden, out=out)
         db_blk = du.sum(0, dtype=torch.float32).to(bias.dtype) if (need_db and bias is not None) else None
         del du
         on_weight_block(v0, v1, dw_blk, db_blk)
