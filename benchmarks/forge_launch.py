@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"split: cuBLAS dW tiles + Triton update, {str(kind)[6:]} state", *_time(
             lambda st=st: forge_triton.linear_weight_step_split("adamw", dy, x, w.data, st, hp, 5,
                                                                 rows_per_tile=tile_rows), a.calls)))
+    # Lion (one state, no sqrt / division): at 7B its Trainer step was slower than AdamW's with bf16 state (run F)
+    lion = {"exp_avg": torch.zeros_like(w)}
+    for kernel, fn in (("fused", forge_triton.linear_weight_step), ("split", forge_triton.linear_weight_step_split)):
+        rows.append((f"Lion, bf16 state, {kernel} (one tile per layer)", *_time(
+            lambda fn=fn: fn("lion", dy, x, w.data, lion, hp, 5, rows_per_tile=a.out), a.calls)))
     if a.sweep:
         q8 = {}
         for name in ("exp_avg", "exp_avg_sq"):

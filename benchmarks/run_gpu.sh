@@ -3,17 +3,17 @@
 #   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
 #   [evaluate] [head-profile] [forge-host] [forge-7b] [forge-compile] [demo]   (default: all but the last six)
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
-# (2026-11-22/23): checks ~1.5 min, head ~2.5, grpo ~1.3, forge ~5 (nine configs; now ten with adamw_bnb_8bit, from
-# the bitsandbytes wheel in the untracked .whl/, which must stay under the device's 64 MiB carry limit), forge-profile
-# ~2, head-profile > 3 (its GRPO half did not finish in a 90 s limit), titans (kernel table, four shapes) ~4; titans-layer
-# (vs titans-pytorch) and forge-7b not yet seen: plan device calls of <= 10 min around them. Open questions, in
-# order (2026-11-23): call 1 `checks head grpo demo` (aligned vocabulary blocks, split statistics, SFT outputs; the
-# memgrad_recompute head peer; the demo's Trainer table on a GPU, never run), call 2
-# `forge-host forge-7b` (BN 128 tiles, 8-bit included; the fused kernel's device time against kernel=split's cuBLAS
-# tiles; FORGE where a step is device-bound), call 3 `titans
-# titans-layer` (the kernel table with the Titans row kernels, peer manual_torch_rows without them, and without the
-# unused loss; the layer against titans-pytorch), then `forge-compile` (the ~1B step with Trainer(torch_compile=True)
-# for both: is it still host-bound?), `forge` and `head-profile` with what is left of the 30 minutes.
+# (2026-11-22/23): checks ~4 min (first call, with the machine's start), head ~2.5 min per vocabulary (10 repeats;
+# run F stopped inside it), grpo ~3 (both tables), titans > 4 (run F did two of its shapes in 4 min), forge ~5,
+# forge-7b ~2.5 for its model table (four configs) + 1.3 for its layer sweep, demo ~2, forge-profile ~2, head-profile
+# > 3. The device allows 10 minutes per call and 30 per session, the machine's start included: plan each call
+# well under 10 minutes. Open questions, in order (2026-11-23, after run F): call 1 `grpo checks` (GRPO: chunks
+# sized by bf16 bytes, forward chunk + hidden, one host sync, dW blocks in place: <= 1.0x TRL at <= 0.5x memory?),
+# call 2 `forge-7b` (split's 256 MiB tiles, Lion per layer in the layer table) then `python -m benchmarks.head
+# --device cuda --repeats 10 --vocab 128256` if it fits, call 3 `titans-layer` (the layer vs titans-pytorch; never
+# run) and the D=128 kernel shape alone (`python -m benchmarks.titans --device cuda --repeats 10 --layers
+# --kernel-shapes 8x128x128x512`; the part `titans` runs all four shapes: > 4 min), then `forge-compile`, `forge`
+# (bitsandbytes 8-bit peer) and `head-profile`.
 set -u
 out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [checks titans titans-layer head grpo forge forge-profile]}
 shift
