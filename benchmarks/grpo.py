@@ -4,7 +4,8 @@ Per-token log-probs and entropies of ``completions x length`` tokens at Qwen2.5'
 then a policy-gradient loss ``-(logp · advantage).mean()`` backward. Peers: full logits (``log_softmax`` + gather,
 what TRL < 1.15 did), TRL 1.16's fused head (``ChunkedLogProbFunction``; on CPU its torch fallback), memgrad
 (``memgrad_hf.functional.linear_logprobs``; its Triton head kernels on GPU) and, on GPU, memgrad on its torch
-path (``memgrad_torch``: ``MEMGRAD_BACKEND=torch``). Peak memory per configuration in a fresh process; time round-robin.
+path (``memgrad_torch``: ``MEMGRAD_BACKEND=torch``). Peak memory per configuration in a fresh process (on a GPU: in
+this process, ``--fresh`` for one each); time round-robin.
 ``--outputs sft`` also asks each fused head for whether the token is the top-1 (what TRL's SFTTrainer scores for its
 token accuracy), ``kto`` for the mean logit.
 """
@@ -17,7 +18,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import Case, machine, peak_added_mib, profile_once, time_interleaved, versions
+from benchmarks.harness import FRESH_HELP, Case, machine, peak_added_mib, profile_once, time_interleaved, versions
 
 PEERS = ("full_logits", "trl", "memgrad", "memgrad_torch")
 
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     p.add_argument("--outputs", choices=list(EXTRA_OUTPUTS), default="grpo",
                    help="per-token outputs asked of the fused heads besides log-probs and entropy (sft: top-1)")
     p.add_argument("--profile", action="store_true", help="after the table, profile one run of each peer")
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{dtype}, {a.device}, outputs {a.outputs}\n# {machine(a.device)}; {versions()}\n")
     kw = dict(n=n, d=a.hidden, v=a.vocab, dtype=dtype, outputs=a.outputs)
     cases = [Case(peer, setup, run, dict(impl=peer, **kw)) for peer in a.peers]
-    mem = {c.name: peak_added_mib(c, a.device, a.threads) for c in cases}
+    mem = {c.name: peak_added_mib(c, a.device, a.threads, in_process=a.device.startswith("cuda") and not a.fresh)
+           for c in cases}
     times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=1)
     ref_m, ref_t = mem.get("trl"), times.get("trl")
     print("| peer | peak added (MiB) | vs TRL | time min / median (ms) | vs TRL |\n|---|---:|---:|---:|---:|")

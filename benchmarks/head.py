@@ -8,8 +8,9 @@ memgrad on its torch path (``memgrad_torch``: ``MEMGRAD_BACKEND=torch``) and mem
 in backward (``memgrad_recompute``: ``grad_in_forward=False``; four GEMMs, but each vocabulary block's weight
 gradient summed over all tokens at once instead of a ``[V x H]`` fp32 accumulator re-read and re-written per chunk).
 
-Peak memory: one fresh process per configuration, peak over what the inputs (hidden, weight, labels) occupy;
-it includes the gradients every peer must return (dX and dW). Time: round-robin in this process.
+Peak memory: one fresh process per configuration (on a GPU: in this process, ``--fresh`` for one each), peak over
+what the inputs (hidden, weight, labels) occupy; it includes the gradients every peer must return (dX and dW).
+Time: round-robin in this process.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import Case, machine, peak_added_mib, profile_once, time_interleaved, versions
+from benchmarks.harness import FRESH_HELP, Case, machine, peak_added_mib, profile_once, time_interleaved, versions
 
 PEERS = ("hf", "torch_lce", "trl", "liger", "memgrad", "memgrad_torch", "memgrad_recompute")
 
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     p.add_argument("--profile", action="store_true", help="after each vocabulary's table rows, profile one run of "
                    "each peer: the ops that take the most (device) time, and host syncs")
     a = p.parse_args(argv)
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for v in a.vocab:
         cases = [Case(peer, setup, run, dict(impl=peer, n=a.tokens, d=a.hidden, v=v, dtype=dtype)) for peer in a.peers]
-        mem = {c.name: peak_added_mib(c, a.device, a.threads) for c in cases}
+        mem = {c.name: peak_added_mib(c, a.device, a.threads, in_process=a.device.startswith("cuda") and not a.fresh)
+               for c in cases}
         times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=1)
         for c in cases:
             m, t = mem[c.name], times.get(c.name)

@@ -24,8 +24,9 @@ residual, momentum on, decay on (always on there), ``qk_rmsnorm=True``, ``per_he
 call's start weights (one big ``vmap``), ours takes chunk n's gradient at the weights after chunk n-1 (the Titans
 chunk recurrence; segment-invariant). titans-pytorch also has a per-head retrieval gate and learned q/k norm gains.
 
-Peak memory: one fresh process per configuration, the peak over what its inputs and module occupy (gradients
-included). Time: configurations interleaved round-robin in this process (min / median).
+Peak memory: one fresh process per configuration (on a GPU: in this process, ``--fresh`` for one each), the peak
+over what its inputs and module occupy (gradients included). Time: configurations interleaved round-robin in this
+process (min / median).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions
+from benchmarks.harness import FRESH_HELP, Case, machine, peak_added_mib, time_interleaved, versions
 
 KERNELS = ("manual", "autograd")
 GPU_KERNELS = ("triton", "manual_torch_rows", *KERNELS)
@@ -159,8 +160,9 @@ def layer_run(s: dict) -> None:
 
 
 # -- report ----------------------------------------------------------------------------------------------------------
-def _rows(cases: list[Case], ref: str, label: str, device: str, threads: int, repeats: int) -> list[str]:
-    mem = {c.name: peak_added_mib(c, device, threads) for c in cases}
+def _rows(cases: list[Case], ref: str, label: str, device: str, threads: int, repeats: int,
+          in_process: bool = False) -> list[str]:
+    mem = {c.name: peak_added_mib(c, device, threads, in_process=in_process) for c in cases}
     times = time_interleaved(cases, device, repeats=repeats, warmup=1)
     rm, rt = mem.get(ref), times.get(ref)
     out = []
@@ -198,10 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--inner", type=int, default=None, help="kernel calls per timed run (default 1 on CPU, 20 on GPU)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     gpu = a.device.startswith("cuda")
     inner = a.inner or (20 if gpu else 1)
+    here = gpu and not a.fresh  # GPU peak memory in this process
     import importlib.metadata as md
 
     try:
@@ -221,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                               dict(impl=k, mode=mode, b=b, c=c, d=d, h=h, inner=inner))
                          for k in (GPU_KERNELS if gpu else KERNELS)]
                 _rows(cases, f"{shape}/{mode}/autograd", f"{shape} / {mode}", a.device, a.threads,
-                      a.repeats)
+                      a.repeats, here)
         print()
     if a.layers:
         print(f"## Layer: batch {a.batch}, seq {a.seq}, dim {a.dim}, {a.heads} heads x {a.dim_head}, chunk {a.chunk}; "
@@ -234,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in a.modes:
             cases = [Case(f"{mode}/{impl}", layer_setup, layer_run, dict(impl=impl, mode=mode, **kw))
                      for impl in a.layers]
-            _rows(cases, f"{mode}/titans_pytorch", mode, a.device, a.threads, a.repeats)
+            _rows(cases, f"{mode}/titans_pytorch", mode, a.device, a.threads, a.repeats, here)
     return 0
 
 

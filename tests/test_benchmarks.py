@@ -1,5 +1,8 @@
 """Benchmark scripts run end to end at toy sizes (numbers are not asserted here: that is RESULTS.md's job)."""
 
+import pytest
+import torch
+
 from memgrad_hf import cli
 
 
@@ -61,3 +64,22 @@ def test_bench_forge_runs_through_the_cli(capsys):
     names = ("| adamw_torch |", "| forge_adamw+8bit_state+head |")
     rows = [line for line in out.splitlines() if line.startswith(names)]
     assert len(rows) == 2 and all("—" not in r for r in rows), out
+
+
+def _alloc_setup(device, mib):
+    return {"mib": mib, "device": device}
+
+
+def _alloc_run(s):
+    x = torch.ones(s["mib"] << 18, dtype=torch.float32, device=s["device"])  # mib MiB, touched
+    return float(x[-1])
+
+
+def test_peak_memory_measurement_reads_the_run_alone():
+    # the reading every benchmark table rests on: a run allocating 256 MiB adds ~256 MiB, whatever its set-up held
+    from benchmarks.harness import Case, _measure, peak_added_mib
+
+    out = _measure(Case("alloc", _alloc_setup, _alloc_run, {"mib": 256}), "cpu", 1)
+    assert out["ok"] and 240 <= out["added_mib"] <= 300, out
+    with pytest.raises(ValueError, match="fresh process"):  # in this process only where the allocator counts
+        peak_added_mib(Case("alloc", _alloc_setup, _alloc_run, {"mib": 1}), "cpu", in_process=True)
