@@ -48,7 +48,9 @@ CONFIGS = {
     "forge_adamw+8bit_state+head+gc": dict(optim="forge_adamw", optim_args="state_dtype=8bit", patch=True,
                                            activation_checkpointing=True),
     # optim_args kernel=split (GPU): dW tiles by cuBLAS, then the update kernel, instead of the fused Triton kernel
+    # (the default "auto" picks split for weights of 4096 x 4096 elements and more)
     "forge_lion+split": dict(optim="forge_lion", optim_args="kernel=split"),
+    "forge_lion+fused": dict(optim="forge_lion", optim_args="kernel=fused"),  # the default below 4096 x 4096
     "forge_lion+split16": dict(optim="forge_lion", optim_args=f"kernel=split,tile_bytes={16 << 20}"),  # L2-sized
     "forge_adamw+bf16_state+split": dict(optim="forge_adamw", optim_args="state_dtype=bf16,kernel=split"),
     # Trainer(torch_compile=True): fewer host launches per step, which is what bounds a ~1B model at batch 1

@@ -59,7 +59,7 @@ for part in $parts; do
       # layer (11008 x 4096): fused kernel tiles and kernel=split tile sizes
       python -m benchmarks.forge_launch --out 11008 --in 4096 --calls 50 --sweep 2>&1 | tee "$out/forge-7b-layer.md"
       python -m benchmarks.forge --device cuda --bf16 --hidden 4096 --layers 32 --vocab 32000 --batch 1 \
-        --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion forge_lion+split forge_lion+split16 \
+        --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion forge_lion+fused forge_lion+split16 \
         forge_adamw+bf16_state forge_adamw+8bit_state+head 2>&1 | tee "$out/forge-7b.md" ;;
     forge-compile)  # the same ~1B model with torch_compile=True for both (fewer host launches per step)
       python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \

@@ -73,7 +73,7 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             raise ValueError(
                 f"optim_args key {key!r} is not understood by {name}; supported: clip=exact|previous, "
                 "stochastic_rounding=true|false, state_dtype=auto|fp32|bf16|8bit, tile_bytes=N, "
-                "head_grad=auto|recompute|hold, kernel=fused|split"
+                "head_grad=auto|recompute|hold, kernel=auto|fused|split"
                 + ("; momentum=F, dampening=F, nesterov=true|false." if cls is ForgeSGD else ".")
             )
     if kwargs["max_grad_norm"] > 0:

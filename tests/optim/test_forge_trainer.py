@@ -87,7 +87,7 @@ def test_head_grad_auto_holds_only_small_heads_on_the_torch_path(monkeypatch):
 
 
 def test_kernel_option_picks_the_gpu_weight_step(monkeypatch):
-    # kernel=fused|split chooses between the Triton kernels on a GPU; CPU runs the torch path either way
+    # kernel=auto|fused|split chooses between the Triton kernels on a GPU; CPU runs the torch path either way
     forge_triton = pytest.importorskip("memgrad_hf.kernels.forge_triton")
     from memgrad_hf.kernels import forge as K
     from memgrad_hf.optim import forge
@@ -102,6 +102,10 @@ def test_kernel_option_picks_the_gpu_weight_step(monkeypatch):
     assert opt._weight_step_impl(w) is forge_triton.linear_weight_step_split
     opt.kernel = "fused"
     assert opt._weight_step_impl(w) is forge_triton.linear_weight_step
+    opt.kernel = "auto"  # the default: by the weight's size
+    assert opt._weight_step_impl(w) is forge_triton.linear_weight_step
+    monkeypatch.setattr(forge, "_SPLIT_MIN_NUMEL", w.numel())
+    assert opt._weight_step_impl(w) is forge_triton.linear_weight_step_split
     opt.detach()
 
 
@@ -245,11 +249,17 @@ def test_constructor_errors():
         ForgeAdamW(model.parameters(), model=model, tile_bytes=0)
     opt = ForgeAdamW(model.parameters(), model=model)  # automatic tiles: 4 MiB on CPU, 64 MiB on a GPU
     assert opt._tile_bytes(model.lm_head.weight) == 4 << 20
-    on_gpu = types.SimpleNamespace(device=torch.device("cuda"))  # only the device is read
-    assert opt._tile_bytes(on_gpu) == opt._tile_bytes(on_gpu, linear=True) == 64 << 20
-    opt.kernel = "split"  # cuBLAS tiles: a linear layer's tiles cost host time each, so they are larger
-    assert opt._tile_bytes(on_gpu, linear=True) == 256 << 20 and opt._tile_bytes(on_gpu) == 64 << 20
-    assert opt._tile_bytes(model.lm_head.weight, linear=True) == 4 << 20
+    # on a GPU, kernel="auto" (default): cuBLAS tiles (split) for weights of 4096 x 4096 elements and more, whose
+    # tiles cost host time each and so are larger; only the device and the size are read
+    small, big = (types.SimpleNamespace(device=torch.device("cuda"), numel=lambda n=n: n) for n in (2048**2, 4096**2))
+    assert opt.kernel == "auto" and opt._linear_kernel(small) == "fused" and opt._linear_kernel(big) == "split"
+    assert opt._tile_bytes(small, linear=True) == opt._tile_bytes(big) == 64 << 20
+    assert opt._tile_bytes(big, linear=True) == 256 << 20
+    assert opt._tile_bytes(model.lm_head.weight, linear=True) == 4 << 20  # CPU
+    opt.kernel = "fused"
+    assert opt._linear_kernel(big) == "fused" and opt._tile_bytes(big, linear=True) == 64 << 20
+    opt.kernel = "split"
+    assert opt._linear_kernel(small) == "split" and opt._tile_bytes(small, linear=True) == 256 << 20
     opt.detach()
     assert ForgeAdamW(model.parameters(), model=model, tile_bytes=1 << 16)._tile_bytes(model.lm_head.weight) == 1 << 16
 
