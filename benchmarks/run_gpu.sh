@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
 #   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
-#   [evaluate] [head-profile] [forge-host] [forge-7b] [forge-compile] [demo] [titans-d128] [head-128k]
+#   [evaluate] [head-profile] [forge-host] [forge-7b] [forge-compile] [demo] [titans-d128] [head-128k] [launch]
 #   (default: the first seven)
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
 # (2026-11-22/23): checks ~4 min (first call, with the machine's start), head ~2.5 min per vocabulary (10 repeats;
 # run F stopped inside it), grpo ~3 (both tables), titans > 4 (run F did two of its shapes in 4 min), forge ~5,
 # forge-7b ~2.5 for its model table (four configs) + 1.3 for its layer sweep, demo ~2, forge-profile ~2, head-profile
 # > 3. The device allows 10 minutes per call and 30 per session, the machine's start included: plan each call
-# well under 10 minutes. Open questions, in order (2026-11-23, after run F): call 1 `grpo checks` (GRPO: chunks
+# well under 10 minutes. Open questions, in order (2026-11-23, after run F): call 1 `launch grpo checks` (GRPO: chunks
 # sized by bf16 bytes, forward chunk + hidden, one host sync, dW blocks in place: <= 1.0x TRL at <= 0.5x memory?),
 # call 2 `forge-7b head-128k` (split's 256 MiB tiles, Lion per layer in the layer table; the head at 128256), call 3
 # `titans-d128 titans-layer` (the D=128 kernel target; the layer vs titans-pytorch, never run), then `forge-compile`,
@@ -36,6 +36,8 @@ for part in $parts; do
       python -m benchmarks.titans --device cuda --repeats 10 --layers --kernel-shapes 8x128x128x512 2>&1 \
       | tee "$out/titans-d128.md" ;;
     head-128k) python -m benchmarks.head --device cuda --repeats 10 --vocab 128256 2>&1 | tee "$out/head-128k.md" ;;
+    launch)  # host µs per launch: Triton (empty, and memgrad's kernels at tiny sizes) against torch ops (~10 s)
+      python -m benchmarks.launch_overhead 2>&1 | tee "$out/launch.md" ;;
     head) python -m benchmarks.head --device cuda --repeats 10 2>&1 | tee "$out/head.md" ;;
     grpo) { python -m benchmarks.grpo --device cuda --repeats 10
         python -m benchmarks.grpo --device cuda --repeats 5 --peers trl memgrad --outputs sft; } 2>&1 \
