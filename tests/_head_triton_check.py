@@ -136,6 +136,26 @@ def end_to_end(dev):
         res.append((lp, ent, diag["mean_logits"], diag["log_sum_sq_probs"], diag["is_top1"],
                     *torch.autograd.grad((lp * 0.3).sum() + ent.sum(), (x, w))))
     os.environ.pop("MEMGRAD_BACKEND")
+    err = max(err, max(rel(a, b) for a, b in zip(res[1], res[0], strict=True)))
+    # several token chunks, the Triton forward's (backward chunk + hidden: 384 tokens) larger than its backward's
+    # (256): both walks must cover every token once
+    x = torch.randn(600, 128, generator=g).to(dev).requires_grad_()
+    w = (torch.randn(1000, 128, generator=g) * 0.1).to(dev).requires_grad_()
+    ids = torch.randint(0, 1000, (600,), generator=g).to(dev)
+    res = []
+    for backend in ("torch", "triton"):
+        os.environ["MEMGRAD_BACKEND"] = backend
+        lp, ent = linear_logprobs(x, w, ids, return_entropy=True)
+        res.append((lp, ent, *torch.autograd.grad((lp * 0.3).sum() + ent.sum(), (x, w))))
+    os.environ.pop("MEMGRAD_BACKEND")
+    from memgrad_hf.functional import _stats_chunks
+    from memgrad_hf.kernels import head_triton
+
+    assert head_triton.LOGITS_IN_WEIGHT_DTYPE
+    os.environ["MEMGRAD_BACKEND"] = "triton"
+    chunks = _stats_chunks(None, 600, x, w)
+    os.environ.pop("MEMGRAD_BACKEND")
+    assert chunks == (384, 256), chunks
     return max(err, max(rel(a, b) for a, b in zip(res[1], res[0], strict=True)))
 
 
