@@ -264,6 +264,20 @@ def _stats_chunks(chunk_size: int | None, n: int, hidden: Tensor, weight: Tensor
     return (fwd - fwd % 128 if fwd >= 128 else fwd), chunk
 
 
+def _fused_chunk(n: int, weight: Tensor, acc: torch.dtype, hold: bool) -> int:
+    """Tokens per chunk of the Triton fused cross-entropy, whose logits live in the weight's dtype: a bf16 chunk
+    fills ``default_chunk_size``'s byte budget with twice the tokens. Each chunk re-reads and re-writes the fp32
+    weight-gradient accumulator of a low-precision weight, so fewer chunks are less traffic; and the backward casts
+    that accumulator to the weight's dtype beside it (``vocab x hidden`` more), so a forward logits buffer of that
+    size (``hidden`` tokens) never raises the peak (vocab 128256, hidden 1024, bf16: 1024 tokens per chunk, half
+    the accumulator's passes of 512). Not when the gradient is handed over in blocks (``hold``): no cast then."""
+    vocab, dim = weight.shape
+    chunk = K.default_chunk_size(max(n, 1), dim, vocab, weight.element_size())
+    if acc != weight.dtype and not hold and weight.requires_grad and torch.is_grad_enabled():
+        chunk = max(chunk, dim - dim % 128 if dim >= 128 else dim)
+    return min(chunk, max(n, 1))
+
+
 # ---------------------------------------------------------------------------------------------------- public
 
 
@@ -366,9 +380,7 @@ def linear_cross_entropy(
         total = _ce_from_stats(lse, zt, zmean, label_smoothing, z_loss).sum()
         return total / (denom.to(total.device) if isinstance(denom, Tensor) else float(denom))
     if chunk_size is None and getattr(head_impl(hv.device), "LOGITS_IN_WEIGHT_DTYPE", False):
-        # the fused kernels hold a chunk's logits in the weight's dtype: a bf16 chunk fills the byte budget with
-        # twice the tokens, so the fp32 weight-gradient accumulator is re-read half as often
-        chunk = K.default_chunk_size(n_valid, weight.shape[1], weight.shape[0], weight.element_size())
+        chunk = _fused_chunk(n_valid, weight, acc, hold)
     if isinstance(denom, Tensor):
         w = (1.0 / denom.to(device=hv.device, dtype=torch.float32)).expand(n_valid)
     else:

@@ -369,3 +369,33 @@ def test_stats_forward_chunk_spends_the_weight_gradients_bytes(monkeypatch):
     assert f32 == (256 + 16 - (256 + 16) % 128, 256) and bf16 == (512 + 16 - (512 + 16) % 128, 512)
     monkeypatch.setattr(K, "LOGITS_IN_WEIGHT_DTYPE", False)  # the torch path: several chunk-sized temporaries
     assert Fn._stats_chunks(None, n, h, w) == (bwd, bwd) and Fn._stats_chunks(None, 4096, big_h, big_w) == (256, 256)
+
+
+def test_fused_chunk_spends_the_weight_gradients_cast(monkeypatch):
+    # The Triton fused cross-entropy (bf16 weight, fp32 accumulator) re-reads its accumulator once per chunk; the
+    # backward casts it to bf16 beside itself, so a forward logits buffer up to that size (hidden tokens) is free.
+    import memgrad_hf.functional as Fn
+    from memgrad_hf.kernels import head as K
+
+    seen = []
+    real = K.fused_cross_entropy
+    monkeypatch.setattr(K, "LOGITS_IN_WEIGHT_DTYPE", True, raising=False)  # as the Triton head declares
+    monkeypatch.setattr(K, "fused_cross_entropy", lambda *a, **k: (seen.append(k["chunk_size"]), real(*a, **k))[1])
+    n, d, v = 1024, 768, 8192
+    h = torch.randn(n, d).bfloat16().requires_grad_()
+    w = (torch.randn(v, d) * 0.05).bfloat16().requires_grad_()
+    y = torch.randint(0, v, (n,))
+    base = K.default_chunk_size(n, d, v, 2)
+    assert base < d  # the case where the cast's bytes buy more tokens
+    loss = linear_cross_entropy(h, w, y, grad_in_forward=True)
+    g = torch.autograd.grad(loss, (h, w))
+    ref = linear_cross_entropy(h, w, y, grad_in_forward=True, chunk_size=base)
+    g_ref = torch.autograd.grad(ref, (h, w))
+    assert seen == [d, base]
+    assert rel_err(loss, ref) < 1e-6 and all(rel_err(a, b) < 1e-2 for a, b in zip(g, g_ref, strict=True))
+    # no cast to come: fp32 accumulation in the weight's own dtype, a frozen weight, or no gradient at all
+    assert Fn._fused_chunk(n, w, torch.bfloat16, False) == base
+    assert Fn._fused_chunk(n, w.detach(), torch.float32, False) == base
+    assert Fn._fused_chunk(n, w, torch.float32, True) == base
+    with torch.no_grad():
+        assert Fn._fused_chunk(n, w, torch.float32, False) == base
