@@ -12,20 +12,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 
-
-def _host_us(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return host / calls * 1e6
+from benchmarks.forge_launch import _time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(f"# host µs per launch at tiny sizes, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}\n")
-    print("| what | host µs / call |\n|---|---:|")
+    print("| what | host µs / call | host + device µs / call | device (kernels) µs / call |\n|---|---:|---:|---:|")
     for name, fn in rows:
         try:
-            print(f"| {name} | {_host_us(fn, a.calls):.1f} |", flush=True)
+            print("| {} | {:.1f} | {:.1f} | {:.1f} |".format(name, *_time(fn, a.calls)), flush=True)
         except Exception as e:  # one row's failure does not hide the others
-            print(f"| {name} | {type(e).__name__}: {e} |", flush=True)
+            print(f"| {name} | {type(e).__name__}: {e} | | |", flush=True)
     return 0
 
 
