@@ -581,7 +581,7 @@ class ForgeAdamW(ForgeOptimizer):
             ``"8bit"`` (block-scaled e4m3 codes for matrices).
         stochastic_rounding: round bf16 weights stochastically after each update.
         tile_bytes: bytes of one weight-gradient tile, counted as fp32 (default: 4 MiB on CPU, 64 MiB on a GPU,
-            256 MiB for linear layers with ``kernel="split"``).
+            256 MiB for linear layers that ``kernel`` serves by cuBLAS tiles).
         head_grad: with ``patch_model``'s chunked head: ``"recompute"`` (its logits are recomputed in backward, so
             its weight gradient never exists whole; a third more head flops), ``"hold"`` (the gradient computed in
             forward is held until the head's backward: the head's usual flops, one fp32 ``[V x H]`` buffer
