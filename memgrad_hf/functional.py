@@ -87,9 +87,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             _hand_over(ctx.weight_consumer, dw, grad, retain)  # (the consumer only serves heads without bias)
             dw = None
         out = []
+        # the usual upstream gradient of a loss is exactly 1.0: skip a pass over dW (free to check on CPU only)
+        unit = not retain and not grad.is_cuda and grad.numel() == 1 and float(grad) == 1.0
         for g, dtype in zip((dx, dw, db), ctx.dtypes, strict=True):
             if g is not None:
-                g = g * grad.to(g.dtype) if retain else g.mul_(grad.to(g.dtype))
+                if not unit:
+                    g = g * grad.to(g.dtype) if retain else g.mul_(grad.to(g.dtype))
                 g = g if g.dtype == dtype else g.to(dtype)
             out.append(g)
         return (*out, None, None, None, None, None, None, None, None)
