@@ -239,6 +239,37 @@ def test_recompute_in_backward_equals_fused_forward(kw):
         assert rel_err(x, z) < 1e-5
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_gemms_in_vocabulary_blocks_stay_exact(monkeypatch, recompute):
+    # on CPU the logits GEMM runs in column blocks and the dX GEMM sums over row blocks (smaller MKL packing
+    # buffers); with blocks narrower than the vocabulary (and a ragged last one) every path must still match torch
+    from memgrad_hf.kernels import head as K
+
+    monkeypatch.setattr(K, "_LOGIT_COLS", 32)
+    monkeypatch.setattr(K, "_DX_ROWS", 24)
+    h, w, b, y = _inputs(bias=True)
+    out = linear_cross_entropy(h, w, y, bias=b, chunk_size=16, grad_in_forward=not recompute, softcap=3.0)
+    ref = F.cross_entropy(_ref_logits(h, w, b, softcap=3.0), y)
+    assert rel_err(out, ref) < 1e-5
+    for a, r in zip(torch.autograd.grad(out, [h, w, b]), torch.autograd.grad(ref, [h, w, b]), strict=True):
+        assert rel_err(a, r) < 1e-5
+
+
+def test_default_chunk_size_rule():
+    from memgrad_hf.kernels.head import default_chunk_size
+
+    # 2.5x the fp32 hidden states, in multiples of 128 tokens: 640 at vocab 32768 (where 512 ran the GEMMs slower)
+    assert default_chunk_size(8192, 1024, 32768) == 640
+    assert default_chunk_size(8192, 1024, 32768, logit_bytes=2) == 1280
+    # the 256-fp32-row floor decides at large vocabularies; never more tokens than there are
+    assert default_chunk_size(8192, 1024, 128256) == 256 and default_chunk_size(8192, 896, 151936, 2) == 512
+    assert default_chunk_size(100, 1024, 32768) == 100
+    for n, d, v in [(8192, 4096, 32000), (3000, 512, 50257), (64, 8, 1000), (10**6, 8192, 256000)]:
+        c = default_chunk_size(n, d, v)
+        assert c <= n and (c % 128 == 0 if c >= 128 else c & (c - 1) == 0)
+        assert c * v * 4 <= max(10 * n * d, 256 * v * 4, 16 * v * 4) and c * v * 4 <= max(256 << 20, 16 * v * 4)
+
+
 @pytest.mark.parametrize("kw", [{}, {"softcap": 3.0, "label_smoothing": 0.1}, {"z_loss": 1e-3}])
 def test_weight_grad_consumer_receives_exact_blocks(kw):
     h, w, b, y = _inputs(bias=True)
