@@ -262,10 +262,10 @@ def default_chunk_size(n_tokens: int, hidden: int, vocab: int, logit_bytes: int 
     256 fp32 rows — each chunk re-reads and re-writes the ``[vocab x hidden]`` weight-gradient accumulator, so fewer
     than ~256 tokens per chunk makes that accumulation memory-bound (measured on CPU at vocab 128256: 27.1 s at 128
     tokens, 23.8 s at 256, 23.0 s at 512), and larger chunks run each GEMM closer to the machine's peak (CPU, vocab
-    32768, hidden 1024, 8192 tokens: 640 tokens per chunk 0.78x torch's ``F.linear_cross_entropy`` time, 512
-    tokens 0.83x, for 16 MiB more) — and never above 256 MiB. ``logit_bytes``: bytes per stored logit (4 on the
-    torch path; the Triton path keeps them in the weight's dtype, so a bf16 model gets twice the tokens in the
-    bytes fp32 logits would take, and half the accumulator traffic).
+    32768, hidden 1024, 8192 tokens, against torch's ``F.linear_cross_entropy`` in one A/B: 640 tokens per chunk
+    0.78x its time, 512 tokens 0.83x, for 16 MiB more) — and never above 256 MiB. ``logit_bytes``: bytes per
+    stored logit (4 on the torch path; the Triton path keeps them in the weight's dtype, so a bf16 model gets twice
+    the tokens in the bytes fp32 logits would take, and half the accumulator traffic).
     """
     budget = min(max(10 * n_tokens * hidden, 256 * vocab * 4), 256 << 20)
     c = max(budget // (logit_bytes * vocab), 16)
