@@ -32,8 +32,12 @@ CONFIGS = {
     "lomo": dict(optim="lomo"),
     "forge_sgd": dict(optim="forge_sgd"),
     "forge_sgd+head": dict(optim="forge_sgd", patch=True),
+    # the Trainer's default max_grad_norm=1.0; exact clipping by replay (default) or by a second backward
     "forge_adamw+clip": dict(optim="forge_adamw", max_grad_norm=1.0),
+    "forge_adamw+clip_backward": dict(optim="forge_adamw", max_grad_norm=1.0, optim_args="clip_pass=backward"),
     "adamw_torch+clip": dict(optim="adamw_torch", max_grad_norm=1.0),
+    "forge_adamw+head+clip": dict(optim="forge_adamw", max_grad_norm=1.0, patch=True),
+    "adamw_torch+head+clip": dict(optim="adamw_torch", max_grad_norm=1.0, patch=True),
     # with memgrad_hf.patch_model: the chunked head hands its weight gradient to FORGE in vocabulary blocks
     "adamw_torch+head": dict(optim="adamw_torch", patch=True),
     "forge_adamw+head": dict(optim="forge_adamw", patch=True),

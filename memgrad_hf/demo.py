@@ -88,7 +88,7 @@ def run_config(name: str, o: DemoOptions) -> dict:
         per_device_train_batch_size=o.batch, learning_rate=o.lr, lr_scheduler_type="constant", logging_steps=1,
         save_strategy="no", report_to="none", use_cpu=not cuda, bf16=o.bf16, seed=o.seed, data_seed=o.seed,
         dataloader_num_workers=0, optim=optim, max_grad_norm=0.0,  # same for every run (FORGE would clip exactly,
-        # at the cost of a second backward pass; see the README)
+        # at the cost of its weight-gradient GEMMs twice; see the README)
         disable_tqdm=True,
     )
     cb = MemoryReportCallback()

@@ -19,6 +19,7 @@ plugs in at :func:`memgrad_hf.kernels.backend`).
 
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 from typing import Any
@@ -83,8 +84,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         retain = getattr(_RETAIN, "on", False)
         if not retain:
             ctx.grads = None  # drop our references so autograd can adopt the buffers without copying
-        if ctx.weight_consumer is not None and dw is not None:
-            _hand_over(ctx.weight_consumer, dw, grad, retain)  # (the consumer only serves heads without bias)
+        if ctx.weight_consumer is not None and dw is not None:  # (the consumer only serves heads without bias)
+            if _defer(ctx.weight_consumer, _hand_over, ctx.weight_consumer, dw, grad, retain):
+                _hand_over(ctx.weight_consumer, dw, grad, True)  # measured now; the replay consumes the buffer
+            else:
+                _hand_over(ctx.weight_consumer, dw, grad, retain)
             dw = None
         out = []
         # the usual upstream gradient of a loss is exactly 1.0: skip a pass over dW (free to check on CPU only)
@@ -96,6 +100,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 g = g if g.dtype == dtype else g.to(dtype)
             out.append(g)
         return (*out, None, None, None, None, None, None, None, None)
+
+
+def _defer(consumer: Any, fn: Any, *args: Any) -> bool:
+    """Whether ``consumer`` (a FORGE optimizer recording its clipping norm pass) keeps ``fn(*args)``, the walk that
+    delivers the blocks, to replay once the norm is known: then the blocks delivered now are only measured."""
+    defer = getattr(consumer, "defer", None)
+    return bool(defer is not None and defer(fn, *args))
 
 
 def _hand_over(consumer: Any, dw: Tensor, grad: Tensor, retain: bool) -> None:
@@ -149,10 +160,11 @@ class _ChunkedHeadStats(torch.autograd.Function):
         delta = None if g_zmean is None or g_zmean.numel() == 0 else g_zmean.float() / vocab
         if ctx.weight_consumer is not None and need[1]:
             # the weight gradient goes to the consumer one vocabulary block at a time; autograd gets None for it
-            dx, _ = head_impl(hidden.device).head_backward_vocab_blocks(
-                hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta, ctx.weight_consumer,
-                need_dx=need[0], need_db=bias is not None and need[2],
-            )
+            walk = head_impl(hidden.device).head_backward_vocab_blocks
+            args = (hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta, ctx.weight_consumer)
+            dx, _ = walk(*args, need_dx=need[0], need_db=bias is not None and need[2])
+            _defer(ctx.weight_consumer, functools.partial(walk, need_dx=False, need_db=bias is not None and need[2]),
+                   *args)
             return dx, None, None, None, None, None, None, None, None, None, None
         dx, dw, db = head_impl(hidden.device).head_backward(
             hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta,

@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_completion_length", type=int, default=8)
     p.add_argument("--learning_rate", type=float, default=5e-3)
     p.add_argument("--optim", default="forge_adamw", help="any Trainer optimizer name (forge_adamw, adamw_torch, ...)")
-    p.add_argument("--optim_args", default="clip=previous",
-                   help="FORGE options; the default clips with the previous step's exact norm (no second backward "
-                        "pass); pass '' for exact clipping with a norm-only pass first")
+    p.add_argument("--optim_args", default="",
+                   help="FORGE options, e.g. 'clip=previous' (clip with the previous step's exact norm) or "
+                        "'state_dtype=bf16'; the default clips exactly (optim_args clip_pass in the README)")
     p.add_argument("--no_patch", action="store_true", help="do not apply memgrad_hf.patch_model")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--output_dir", default="/tmp/memgrad_grpo")

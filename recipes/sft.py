@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--optim", default="forge_adamw", help="any Trainer optimizer name (forge_adamw, adamw_torch, ...)")
     p.add_argument("--optim_args", default=None, help="e.g. state_dtype=bf16 or clip=previous (FORGE)")
-    p.add_argument("--max_grad_norm", type=float, default=1.0, help="FORGE clips exactly (one extra backward)")
+    p.add_argument("--max_grad_norm", type=float, default=1.0, help="FORGE clips exactly")
     p.add_argument("--no_patch", action="store_true", help="do not apply memgrad_hf.patch_model")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--output_dir", default="/tmp/memgrad_sft")

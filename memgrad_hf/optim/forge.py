@@ -5,9 +5,19 @@
 * Every other trainable tensor (embeddings, norms, biases, tied weights, an LM head served by the chunked head)
   is updated by a post-accumulate-grad hook the moment its gradient is complete, and the gradient is freed.
 
-Exact global-norm clipping (``max_grad_norm > 0``, ``clip="exact"``) runs a norm-only backward first: the loss
-returned by ``model(...)`` is wrapped so that its backward first walks the graph computing every gradient's norm
-(nothing is stored or applied), then walks it again applying the clipped updates. It costs a second backward;
+Exact global-norm clipping (``max_grad_norm > 0``, ``clip="exact"``) needs the global norm before the first update.
+The loss returned by ``model(...)`` is wrapped so that its backward first only measures every gradient's norm
+(nothing is applied), then applies the clipped updates, in one of two ways (``clip_pass``):
+
+* ``"replay"``: the one backward measures the norms and records, per parameter, what its update needs (a linear
+  layer's ``dY`` and input, an embedding's looked-up rows, a small tensor's gradient, a chunked head's block walk);
+  once it ends, the records are replayed as updates. No second backward: the weight-gradient GEMMs run twice (once
+  for the norm, once for the update), nothing else does. Costs the recorded ``dY`` (activation-sized, not
+  weight-sized) until the replay.
+* ``"backward"``: a norm-only backward through the whole graph (kept with ``retain_graph``), then the update
+  backward: a second backward, no extra memory. ``"auto"`` takes it under gradient checkpointing, where recording
+  would keep the recomputed activations alive.
+
 ``clip="previous"`` instead clips with the previous step's exact norm (no extra pass; documented approximation).
 """
 
@@ -33,6 +43,7 @@ from memgrad_hf.patches import forge as P
 log = logging.getLogger("memgrad_hf.forge")
 
 _CLIP_MODES = ("exact", "previous")
+_CLIP_PASSES = ("auto", "replay", "backward")  # how exact clipping gets the norm first (module docstring)
 # How a chunked LM head (patch_model) produces the weight gradient FORGE consumes in vocabulary blocks:
 # "recompute" the logits in backward (no [V x H] buffer; a third more head flops), or "hold" the gradient computed in
 # forward until the head's backward (the head's usual flops; one fp32 [V x H] buffer from forward to backward);
@@ -71,8 +82,13 @@ class _ClipRoot(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor):
         opt = ctx.opt
-        if opt._is_sync():
-            opt._norm_pass(ctx.inner[0], grad)
+        if opt._is_sync() and not opt._measuring(torch._C._current_graph_task_id()):
+            if opt._replays_clip():
+                opt._begin_norm(grad.device, record=torch._C._current_graph_task_id())
+                # runs when this backward has walked the whole graph: the norm is known, the records replay
+                torch.autograd.Variable._execution_engine.queue_callback(opt._end_record)
+            else:
+                opt._norm_pass(ctx.inner[0], grad)
         return grad, None, None
 
 
@@ -95,6 +111,7 @@ class ForgeOptimizer(Optimizer):
         forge_model: nn.Module | None = None,
         head_grad: str = "auto",
         kernel: str = "auto",
+        clip_pass: str = "auto",
     ) -> None:
         # The Trainer passes the model as forge_model; its losses reach backward through accelerate's
         # Accelerator.backward, where exact clipping hooks in (any loss: the model's, GRPO's, a compute_loss_func's)
@@ -102,6 +119,8 @@ class ForgeOptimizer(Optimizer):
         model = model if model is not None else forge_model
         if clip not in _CLIP_MODES:
             raise ValueError(f"clip must be one of {_CLIP_MODES}; got {clip!r}.")
+        if clip_pass not in _CLIP_PASSES:
+            raise ValueError(f"clip_pass must be one of {_CLIP_PASSES}; got {clip_pass!r}.")
         if head_grad not in _HEAD_GRAD_MODES:
             raise ValueError(f"head_grad must be one of {_HEAD_GRAD_MODES}; got {head_grad!r}.")
         if kernel not in _KERNELS:
@@ -126,6 +145,7 @@ class ForgeOptimizer(Optimizer):
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
         self.clip = clip
+        self.clip_pass = clip_pass
         self.head_grad = head_grad
         self.kernel = kernel
         self.tile_bytes = None if tile_bytes is None else int(tile_bytes)
@@ -140,6 +160,8 @@ class ForgeOptimizer(Optimizer):
         self._prev_norm: float | None = None
         self._stash: dict[Tensor, Tensor] = {}  # accumulated gradients, set aside during the norm pass
         self._stash_counted: set[Tensor] = set()
+        self._replays: list[Any] | None = None  # clip_pass="replay": the updates recorded during the norm pass
+        self._norm_task: int | str | None = None  # the backward measuring the norm ("backward": a norm-only pass)
         self._nonfinite_seen = False
         # per device: (Σ g² of this step's updates, skipped tiles), summed in place on the device by every update
         # and read once, in step(); kept across steps (zeroed there) so that a layer's update allocates nothing
@@ -173,9 +195,10 @@ class ForgeOptimizer(Optimizer):
 
     @property
     def _exact_norm(self) -> bool:
-        # without clipping the norm is only logged (and checks finiteness): a fast fp32 dot is enough there;
-        # with clipping it sets the update, so it is accumulated in fp64
-        return self.max_grad_norm > 0
+        # the norm the updates sum sets the next step's clipping under clip="previous": accumulated in fp64 there;
+        # otherwise it is only logged and checks finiteness (exact clipping measured the norm before the updates):
+        # a fast fp32 dot is enough
+        return self.max_grad_norm > 0 and self.clip == "previous"
 
     def _hp(self, p: Tensor) -> dict[str, Any]:
         # Read the group at call time: accelerate replaces param_group dicts, the scheduler edits "lr" in place.
@@ -255,24 +278,44 @@ class ForgeOptimizer(Optimizer):
 
     # ------------------------------------------------------------------------------------------- the step
 
-    def _norm_pass(self, loss: Tensor, grad: Tensor) -> None:
-        """Backward through the graph once computing only gradient norms; sets the clip coefficient."""
-        self._mode = "norm"
-        self._norm_sq = torch.zeros((), dtype=torch.float64, device=loss.device)  # summed on the device: no syncs
-        # Gradients accumulated over earlier micro-batches step aside: a .grad that appears during the pass is
-        # this backward's own (autograd's, for hooked tensors and for fused weights used outside their module).
-        # Each stashed sum is counted once, by whichever path meets it first (_accumulated).
-        self._stash = {p: p.grad for p in self._group_index if p.grad is not None}
-        self._stash_counted: set[Tensor] = set()
-        for p in self._stash:
-            p.grad = None
-        try:
-            with retain_head_grads():
-                torch.autograd.backward(loss, grad, retain_graph=True)
-        finally:
+    def _replays_clip(self) -> bool:
+        """Exact clipping by recording and replaying the updates (one backward) rather than a second backward."""
+        if self.clip_pass != "auto":
+            return self.clip_pass == "replay"
+        on = getattr(self.model, "is_activation_checkpointing", None)  # transformers >= 5.x; older: the other name
+        return not (on if on is not None else getattr(self.model, "is_gradient_checkpointing", False))
+
+    def _measuring(self, task: int) -> bool:
+        """A norm pass is under way in backward ``task`` (a loss wrapped twice, e.g. ``model(...).loss * 2`` passed
+        to :meth:`backward`, meets a second wrapper inside it: that one does nothing)."""
+        return self._mode == "norm" and self._norm_task in (task, "backward")
+
+    def _begin_norm(self, device: torch.device, record: int | None = None) -> None:
+        """Enter the norm pass: gradients are measured, not applied; with ``record`` (the id of the backward that
+        measures) their updates are recorded too, to be replayed when that backward ends.
+
+        Gradients accumulated over earlier micro-batches step aside: a .grad that appears during the pass is this
+        backward's own (autograd's, for hooked tensors and for fused weights used outside their module). Each
+        stashed sum is counted once, by whichever path meets it first (_accumulated)."""
+        if self._mode == "norm":  # an earlier recording backward never finished (e.g. it raised): nothing applied
+            log.warning("forge: a backward with exact clipping did not complete; its updates were not applied")
+            self._replays = None
             for p, g in self._stash.items():
                 p.grad = g
-            self._stash, self._stash_counted = {}, set()
+        self._mode = "norm"
+        self._norm_sq = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no syncs
+        self._stash = {p: p.grad for p in self._group_index if p.grad is not None}
+        self._stash_counted = set()
+        self._replays = [] if record is not None else None
+        self._norm_task = "backward" if record is None else record
+        for p in self._stash:
+            p.grad = None
+
+    def _end_norm(self) -> None:
+        """Leave the norm pass: restore the stashed gradients and set the clip coefficient (or skip the step)."""
+        for p, g in self._stash.items():
+            p.grad = g
+        self._stash, self._stash_counted, self._norm_task = {}, set(), None
         norm = float(self._norm_sq.sqrt())
         self.last_grad_norm = norm
         self._norm_pass_seen = True
@@ -283,6 +326,43 @@ class ForgeOptimizer(Optimizer):
         else:
             self._mode = "apply"
             self._coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+
+    def _norm_pass(self, loss: Tensor, grad: Tensor) -> None:
+        """Backward through the graph once computing only gradient norms; sets the clip coefficient."""
+        self._begin_norm(loss.device)
+        try:
+            with retain_head_grads():
+                torch.autograd.backward(loss, grad, retain_graph=True)
+        finally:
+            self._end_norm()
+
+    def _measure(self, g: Tensor) -> None:
+        """Add Σ g² to the norm pass's total (fp64 across tensors). On CPU each tensor's sum is one fp32 BLAS dot
+        (~1e-7 relative on a 1M-element tile, more accurate than the fp32 norm torch's own clipping takes; a fifth
+        of an fp64 reduction's time, which converts every element); elsewhere an fp64 reduction on the device (the
+        dot's finiteness check would wait for the host)."""
+        self._norm_sq += K.norm_sq(g, exact=g.device.type != "cpu")
+
+    def _record(self, fn: Any, *args: Any) -> bool:
+        """In a recording norm pass: keep ``fn(*args)`` (the update, replayed once the norm is known)."""
+        if self._replays is None:
+            return False
+        self._replays.append(functools.partial(fn, *args))
+        return True
+
+    def _end_record(self) -> None:
+        """End of a recording norm pass: set the clip coefficient, then replay the recorded updates in the order
+        the backward produced them, each as the update pass would have run it (or, after a non-finite norm, dropping
+        them as it would)."""
+        replays, self._replays = self._replays or [], None
+        self._end_norm()
+        for fn in replays:
+            fn()
+
+    def _replay_grad(self, p: Tensor, g: Tensor) -> None:
+        # what autograd does in the update pass: accumulate into .grad (the earlier micro-batches' sum), then the hook
+        p.grad = g if p.grad is None else p.grad + g
+        self._on_grad(p)
 
     def _clip_coef(self) -> float:
         if self.max_grad_norm <= 0:
@@ -368,7 +448,8 @@ class ForgeOptimizer(Optimizer):
         if self._mode == "norm":
             acc = self._accumulated(weight)
             for _, _, tile in K.linear_weight_tiles(dy, x, rows, acc, weight.dtype):
-                self._norm_sq += K.norm_sq(tile)
+                self._measure(tile)
+            self._record(self._linear_weight_backward, weight, dy, x)
             return
         acc, weight.grad = weight.grad, None
         if self._mode == "skip":
@@ -420,7 +501,7 @@ class ForgeOptimizer(Optimizer):
         if blk["acc"] is not None:
             g = g + blk["acc"][r0:r1]
         if self._mode == "norm":
-            self._norm_sq += K.norm_sq(g)
+            self._measure(g)
             return
         if self._mode == "skip":
             return
@@ -432,6 +513,8 @@ class ForgeOptimizer(Optimizer):
         """Called from the fused embedding's backward: the dense gradient is built and applied per row block."""
         # With the device kernels (GPU), boolean selection would wait for the host once per block: mask instead
         # (every token's row is added to every block, zeroed where it belongs elsewhere; cheap next to the update).
+        if self._mode == "norm":
+            self._record(self._embedding_weight_backward, weight, ids, dy, padding_idx)
         select = default_backend("forge", dy.device) != "triton"
         if padding_idx is not None:  # nn.Embedding's padding row gets no gradient
             keep = ids != padding_idx
@@ -461,6 +544,8 @@ class ForgeOptimizer(Optimizer):
             self._apply_block(weight, state["blk"], v0, v1, dw)
 
         consume.hold = self._hold_head_grad(weight)  # type: ignore[attr-defined]  (read by the head patch)
+        # a recording norm pass (clip_pass="replay") keeps the head's block walk, replayed once the norm is known
+        consume.defer = self._record  # type: ignore[attr-defined]
         return consume
 
     def _hold_head_grad(self, weight: Tensor) -> bool:
@@ -497,7 +582,8 @@ class ForgeOptimizer(Optimizer):
             return
         if self._mode == "norm":
             acc = self._accumulated(p)
-            self._norm_sq += K.norm_sq(p.grad if acc is None else p.grad + acc)
+            self._measure(p.grad if acc is None else p.grad + acc)
+            self._record(self._replay_grad, p, p.grad)
             p.grad = None
             return
         g, p.grad = p.grad, None
@@ -534,8 +620,10 @@ class ForgeOptimizer(Optimizer):
 
     def backward(self, loss: Tensor) -> None:
         """``loss.backward()`` with exact clipping for losses computed outside the model's forward."""
-        if self.max_grad_norm > 0 and self.clip == "exact" and self._is_sync():
+        if self.needs_norm_pass and loss.dim() > 0 and self._is_sync():  # clip_root takes scalars
             self._norm_pass(loss, torch.ones_like(loss))
+        elif not isinstance(loss.grad_fn, _ClipRoot._backward_cls):  # (the model's own loss is wrapped already)
+            loss = self.clip_root(loss)
         loss.backward()
 
     def state_dict(self) -> dict[str, Any]:
@@ -575,7 +663,13 @@ class ForgeAdamW(ForgeOptimizer):
         model: the ``nn.Module`` those parameters belong to (its ``nn.Linear`` layers get the fused backward).
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         max_grad_norm: global-norm clipping threshold (0 = off).
-        clip: ``"exact"`` (a norm-only backward pass first) or ``"previous"`` (the previous step's norm).
+        clip: ``"exact"`` (the global norm is measured before any update) or ``"previous"`` (the previous step's
+            norm).
+        clip_pass: how ``clip="exact"`` measures the norm first: ``"replay"`` (one backward that measures the norm
+            and records each update, replayed at its end: the weight-gradient GEMMs run twice, and each linear
+            layer's ``dY`` is kept until the replay), ``"backward"`` (a norm-only backward, then the update
+            backward: no extra memory, a second backward) or ``"auto"`` (default: replay, except under gradient
+            checkpointing, where recording would keep the recomputed activations alive).
         state_dtype: ``None``/``"auto"`` (default: like ``torch.optim``, state in the weight's precision: fp32 for
             fp32 weights, bf16 for bf16/fp16 ones, second moment rounded stochastically), ``"fp32"``, ``"bf16"`` or
             ``"8bit"`` (block-scaled e4m3 codes for matrices).

@@ -53,8 +53,8 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
     kwargs["forge_model"] = ctx.model
     kwargs["max_grad_norm"] = float(args.max_grad_norm or 0.0)
     for key, value in (ctx.optim_args or {}).items():
-        if key == "clip":
-            kwargs["clip"] = value
+        if key in ("clip", "clip_pass"):
+            kwargs[key] = value
         elif key == "tile_bytes":
             kwargs["tile_bytes"] = int(value)
         elif key in ("stochastic_rounding", "bf16_stochastic_round"):
@@ -72,6 +72,7 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
         else:
             raise ValueError(
                 f"optim_args key {key!r} is not understood by {name}; supported: clip=exact|previous, "
+                "clip_pass=auto|replay|backward, "
                 "stochastic_rounding=true|false, state_dtype=auto|fp32|bf16|8bit, tile_bytes=N, "
                 "head_grad=auto|recompute|hold, kernel=auto|fused|split"
                 + ("; momentum=F, dampening=F, nesterov=true|false." if cls is ForgeSGD else ".")
@@ -81,8 +82,9 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             "%s: max_grad_norm=%s is applied exactly%s. Set max_grad_norm=0 to skip clipping.",
             name, kwargs["max_grad_norm"],
             " (previous step's norm: optim_args clip=previous)" if kwargs.get("clip") == "previous"
-            else " with a norm-only backward pass first (costs a second backward; optim_args='clip=previous' uses "
-                 "the previous step's norm instead)",
+            else " (the norm is measured before any update: the weight-gradient GEMMs run twice, or, with "
+                 "clip_pass=backward and by default under gradient checkpointing, the whole backward; "
+                 "optim_args='clip=previous' uses the previous step's norm instead)",
         )
     return cls, kwargs
 

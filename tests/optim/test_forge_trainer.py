@@ -1,6 +1,7 @@
 """FORGE in HF Trainer against torch.optim (fp32): weights, logged losses and grad norms match."""
 
 import copy
+import math
 import types
 
 import pytest
@@ -50,18 +51,66 @@ def test_forge_adamw_equals_adamw_torch(tmp_path, tied):
     assert all(p.grad is None for p in model.parameters())  # nothing left behind
 
 
+def _count_linear_backwards(monkeypatch) -> list:
+    """Counts the fused linears' backward calls (one per linear layer and backward walk)."""
+    from memgrad_hf.optim.fused_linear import ForgeLinearFunction
+
+    calls, real = [], ForgeLinearFunction.backward
+
+    def counted(ctx, dy):
+        calls.append(1)
+        return real(ctx, dy)
+
+    monkeypatch.setattr(ForgeLinearFunction, "backward", staticmethod(counted))
+    return calls
+
+
+@pytest.mark.parametrize("clip_pass", ["replay", "backward"])
 @pytest.mark.parametrize("head_grad", ["recompute", "hold"])
-def test_forge_with_patched_head_and_exact_clipping(tmp_path, head_grad):
+def test_forge_with_patched_head_and_exact_clipping(tmp_path, monkeypatch, head_grad, clip_pass):
     model = tiny_model("llama")
     ref = copy.deepcopy(model)
     memgrad_hf.patch_model(model)
+    calls = _count_linear_backwards(monkeypatch)
     _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw", max_grad_norm=0.05,
-                                    optim_args=f"head_grad={head_grad}"))
+                                    optim_args=f"head_grad={head_grad},clip_pass={clip_pass}"))
     _, lb, gb = _train(ref, _args(tmp_path / "r", "adamw_torch", max_grad_norm=0.05))
     assert max(gb) > 0.05  # clipping was active
     assert la == pytest.approx(lb, rel=1e-5)
     assert ga == pytest.approx(gb, rel=1e-4)
     _assert_weights_close(model, ref)
+    # replay walks the graph once per step, "backward" twice (7 linears per layer; the head is not a fused linear)
+    walks = {"replay": 1, "backward": 2}[clip_pass]
+    assert len(calls) == 4 * walks * 7 * model.config.num_hidden_layers
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_exact_clipping_replay_equals_adamw_torch_and_skips_non_finite_steps(tmp_path, tied):
+    # replay records the fused embedding (untied) or the tied weight's autograd gradient (tied) beside the linears;
+    # a step whose norm is not finite is dropped whole, as by the second backward
+    model = tiny_model("llama", tied=tied)
+    ref = copy.deepcopy(model)
+    _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw", max_grad_norm=0.05))
+    _, lb, gb = _train(ref, _args(tmp_path / "r", "adamw_torch", max_grad_norm=0.05))
+    assert max(gb) > 0.05 and la == pytest.approx(lb, rel=1e-5) and ga == pytest.approx(gb, rel=1e-4)
+    _assert_weights_close(model, ref)
+
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-3, max_grad_norm=1.0)
+    assert opt._replays_clip()
+    before = [p.detach().clone() for p in model.parameters()]
+    ids = torch.randint(1, 100, (2, 8))
+    loss = model(input_ids=ids, labels=ids).loss
+    opt.backward(loss * float("nan"))
+    opt.step()
+    assert opt.skipped_steps == 1 and not math.isfinite(opt.last_grad_norm)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    opt.backward(model(input_ids=ids, labels=ids).loss)  # the next step applies
+    opt.step()
+    assert opt.skipped_steps == 1 and not all(torch.equal(p, b) for p, b in zip(model.parameters(), before,
+                                                                                 strict=True))
+    opt.detach()
 
 
 def test_head_grad_auto_holds_only_small_heads_on_the_torch_path(monkeypatch):
@@ -109,18 +158,21 @@ def test_kernel_option_picks_the_gpu_weight_step(monkeypatch):
     opt.detach()
 
 
-@pytest.mark.parametrize("max_grad_norm,head", [(0.0, False), (0.05, False), (0.05, "recompute"), (0.05, "hold")],
-                         ids=["no_clip", "exact_clip", "exact_clip_chunked_head", "exact_clip_chunked_head_hold"])
-def test_forge_gradient_accumulation_equals_adamw_torch(tmp_path, max_grad_norm, head):
+@pytest.mark.parametrize("max_grad_norm,head,clip_pass", [
+    (0.0, False, "auto"), (0.05, False, "replay"), (0.05, False, "backward"), (0.05, "recompute", "replay"),
+    (0.05, "hold", "replay"), (0.05, "hold", "backward")],
+    ids=["no_clip", "exact_clip", "exact_clip_backward", "exact_clip_chunked_head", "exact_clip_chunked_head_hold",
+         "exact_clip_chunked_head_hold_backward"])
+def test_forge_gradient_accumulation_equals_adamw_torch(tmp_path, max_grad_norm, head, clip_pass):
     # with clipping, the norm pass runs on the last micro-batch over the accumulated gradients (fused weights hold
-    # theirs in .grad meanwhile: counted once, kept for the update pass)
+    # theirs in .grad meanwhile: counted once, kept for the update pass or the replay)
     model = tiny_model("llama")
     ref = copy.deepcopy(model)
     if head:
         memgrad_hf.patch_model(model)
     kw = dict(gradient_accumulation_steps=2, max_steps=3, max_grad_norm=max_grad_norm)
-    _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw", optim_args=f"head_grad={head}" if head else None,
-                                    **kw))
+    opts = f"clip_pass={clip_pass}" + (f",head_grad={head}" if head else "")
+    _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw", optim_args=opts, **kw))
     _, lb, gb = _train(ref, _args(tmp_path / "r", "adamw_torch", **kw))
     assert la == pytest.approx(lb, rel=1e-5)
     if max_grad_norm:
@@ -264,14 +316,19 @@ def test_constructor_errors():
     assert ForgeAdamW(model.parameters(), model=model, tile_bytes=1 << 16)._tile_bytes(model.lm_head.weight) == 1 << 16
 
 
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-def test_forge_with_gradient_checkpointing_and_exact_clipping(tmp_path, reentrant):
-    # recomputed forwards run the fused linears again; the norm pass and the update pass each recompute
+@pytest.mark.parametrize("reentrant,clip_pass", [(False, "auto"), (True, "auto"), (False, "replay"), (True, "replay")],
+                         ids=["non_reentrant", "reentrant", "non_reentrant_replay", "reentrant_replay"])
+def test_forge_with_gradient_checkpointing_and_exact_clipping(tmp_path, monkeypatch, reentrant, clip_pass):
+    # recomputed forwards run the fused linears again; "auto" takes the second backward here (the norm pass and
+    # the update pass each recompute), "replay" records from the one recomputing backward
     model = tiny_model("llama")
     ref = copy.deepcopy(model)
     gc = dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": reentrant},
               max_grad_norm=0.05)
-    _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw", **gc))
+    calls = _count_linear_backwards(monkeypatch)
+    _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw", optim_args=f"clip_pass={clip_pass}", **gc))
+    linears = 7 * model.config.num_hidden_layers + 1  # + lm_head (no chunked head here)
+    assert len(calls) == 4 * (1 if clip_pass == "replay" else 2) * linears
     _, lb, gb = _train(ref, _args(tmp_path / "r", "adamw_torch", **gc))
     assert max(gb) > 0.05  # clipping was active
     assert la == pytest.approx(lb, rel=1e-5)
