@@ -38,6 +38,10 @@ CONFIGS = {
     "adamw_torch+clip": dict(optim="adamw_torch", max_grad_norm=1.0),
     "forge_adamw+head+clip": dict(optim="forge_adamw", max_grad_norm=1.0, patch=True),
     "adamw_torch+head+clip": dict(optim="adamw_torch", max_grad_norm=1.0, patch=True),
+    "adamw_torch_fused+clip": dict(optim="adamw_torch_fused", max_grad_norm=1.0),
+    "forge_adamw+bf16_state+clip": dict(optim="forge_adamw", optim_args="state_dtype=bf16", max_grad_norm=1.0),
+    "forge_adamw+bf16_state+clip_backward": dict(optim="forge_adamw", max_grad_norm=1.0,
+                                                 optim_args="state_dtype=bf16,clip_pass=backward"),
     # with memgrad_hf.patch_model: the chunked head hands its weight gradient to FORGE in vocabulary blocks
     "adamw_torch+head": dict(optim="adamw_torch", patch=True),
     "forge_adamw+head": dict(optim="forge_adamw", patch=True),

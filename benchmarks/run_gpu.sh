@@ -51,7 +51,8 @@ for part in $parts; do
       python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
         --seq 1024 --steps 6 --repeats 1 --configs adamw_torch_fused adamw_bnb_8bit forge_adamw+bf16_state \
         forge_adamw+8bit_state forge_lion forge_adamw+8bit_state+head adamw_torch_fused+gc \
-        forge_adamw+bf16_state+head+gc forge_adamw+8bit_state+head+gc forge_sgd+head 2>&1 | tee "$out/forge.md" ;;
+        forge_adamw+bf16_state+head+gc forge_adamw+8bit_state+head+gc forge_sgd+head adamw_torch_fused+clip \
+        forge_adamw+bf16_state+clip forge_adamw+bf16_state+clip_backward 2>&1 | tee "$out/forge.md" ;;
     forge-profile)  # where a step's time goes (top kernels by device time, host syncs)
       python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
         --seq 1024 --steps 4 --repeats 1 --profile --configs adamw_torch_fused forge_lion forge_adamw+bf16_state \

@@ -40,8 +40,9 @@ def test_forge_on_lora_equals_torch_adamw():
             assert torch.equal(p, q), n  # the frozen base stays frozen
 
 
-@pytest.mark.parametrize("head_grad", ["auto", "recompute"])  # auto: the tiny head's gradient is held
-def test_everything_at_once_in_trainer_equals_stock(tmp_path, head_grad):
+# head_grad auto: the tiny head's gradient is held; clip_pass auto: a second backward under checkpointing
+@pytest.mark.parametrize("head_grad,clip_pass", [("auto", "auto"), ("recompute", "auto"), ("recompute", "replay")])
+def test_everything_at_once_in_trainer_equals_stock(tmp_path, head_grad, clip_pass):
     # PEFT LoRA with a trained lm_head copy (modules_to_save) + patch_model + forge_adamw, with gradient accumulation,
     # gradient checkpointing, label smoothing, exact clipping, weight decay and a schedule: the same losses, grad
     # norms and weights as the stock model with adamw_torch.
@@ -61,7 +62,7 @@ def test_everything_at_once_in_trainer_equals_stock(tmp_path, head_grad):
             output_dir=str(tmp_path / str(patched)), max_steps=3, per_device_train_batch_size=2,
             gradient_accumulation_steps=2, learning_rate=5e-3, logging_steps=1, save_strategy="no", report_to="none",
             use_cpu=True, seed=0, data_seed=0, optim="forge_adamw" if patched else "adamw_torch",
-            optim_args=f"head_grad={head_grad}" if patched else None,
+            optim_args=f"head_grad={head_grad},clip_pass={clip_pass}" if patched else None,
             lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0,
             gradient_checkpointing=True, label_smoothing_factor=0.1)
         trainer = Trainer(model=model, args=args, train_dataset=_data(n=24))
