@@ -326,6 +326,34 @@ def norm_sq(t: Tensor, exact: bool = True) -> Tensor:
     return torch.linalg.vector_norm(t, dtype=torch.float64).square()
 
 
+# ‖dyᵀx‖² through the token Grams when they cost at most 3/4 of forming dW, for at most this many tokens (two fp32
+# [N x N] Grams: 2 x 64 MiB at the cap)
+_GRAM_MAX_TOKENS = 4096
+
+
+def gram_pays(tokens: int, out_features: int, in_features: int) -> bool:
+    """Whether :func:`linear_grad_norm_sq` (``N²·(out+in)`` multiply-adds) is clearly cheaper than forming
+    ``dW = dyᵀx`` (``N·out·in``) to take its norm: few tokens against wide layers (batch-1 fine-tuning, LM heads)."""
+    return tokens <= _GRAM_MAX_TOKENS and 4 * tokens * (out_features + in_features) <= 3 * out_features * in_features
+
+
+def _gram_f32(a: Tensor) -> Tensor:
+    """``a·aᵀ`` in fp32 (``a``: ``[N, d]``); low-precision CUDA operands on the tensor cores with fp32 output."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, a.t(), out_dtype=torch.float32)
+    a = a.float()
+    return a @ a.t()
+
+
+def linear_grad_norm_sq(dy: Tensor, x: Tensor) -> Tensor:
+    """``‖dyᵀx‖²_F`` as an fp64 scalar without forming ``dyᵀx`` (``dy``: ``[N, out]``, ``x``: ``[N, in]``):
+    ``Σ_ab (dy·dyᵀ)_ab (x·xᵀ)_ab``, since ``‖Σ_a dy_a x_aᵀ‖² = Σ_ab (dy_a·dy_b)(x_a·x_b)``. Non-finite when ``dy`` or
+    ``x`` is. fp32 Grams (of the operands as given: for low-precision operands the norm of the unrounded product,
+    which the rounded ``dW`` matches to ~2^-9 per element, averaging out over the tensor)."""
+    gy, gx = _gram_f32(dy), _gram_f32(x)
+    return torch.dot(gy.view(-1), gx.view(-1)).double()
+
+
 def apply_rule_chunked(
     rule: str,
     p: Tensor,

@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-from memgrad_hf.kernels.forge import round_to_bf16_stochastic
+from memgrad_hf.kernels.forge import gram_pays, linear_grad_norm_sq, norm_sq, round_to_bf16_stochastic
 from memgrad_hf.optim import ForgeAdamW
 from tests.tiny_models import tiny_model
 
@@ -87,3 +87,19 @@ def test_state_dtype_follows_the_weights_by_default_and_fp32_state_for_bf16_says
     with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
         ForgeAdamW(model.parameters(), model=model, state_dtype="fp32").detach()  # twice torch's state: said
     assert "twice the state" in caplog.text
+
+
+def test_weight_gradient_norm_through_token_grams_equals_fp64():
+    # ‖dyᵀx‖² = Σ (dy dyᵀ) ⊙ (x xᵀ): the clipping norm pass takes it where it costs fewer flops than dW itself
+    g = torch.Generator().manual_seed(0)
+    for n, out_f, in_f in [(96, 2000, 64), (40, 48, 200), (1, 10, 10)]:
+        x = torch.randn(n, in_f, generator=g) + 3 * torch.randn(in_f, generator=g)  # correlated rows, as activations
+        dy = torch.randn(n, out_f, generator=g) / n
+        ref = ((dy.double().t() @ x.double()) ** 2).sum()
+        got = linear_grad_norm_sq(dy, x)
+        assert got.dtype == torch.float64 and abs(got - ref) <= 1e-6 * ref, (n, out_f, in_f)
+        assert abs(norm_sq(dy.t() @ x) - ref) <= 1e-6 * ref  # the tile path it replaces
+    dy[0, 5] = float("nan")
+    assert not torch.isfinite(linear_grad_norm_sq(dy, x))
+    assert gram_pays(256, 32000, 512) and gram_pays(1024, 11008, 4096)  # an LM head; a 7B MLP at batch 1
+    assert not gram_pays(256, 512, 512) and not gram_pays(8192, 11008, 4096)  # square at N = d/2; long sequences
