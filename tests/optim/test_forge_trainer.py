@@ -299,6 +299,8 @@ def test_constructor_errors():
         ForgeAdamW(model.parameters())
     with pytest.raises(ValueError, match="clip"):
         ForgeAdamW(model.parameters(), model=model, clip="sometimes")
+    with pytest.raises(ValueError, match="clip_pass must be one of"):
+        ForgeAdamW(model.parameters(), model=model, clip_pass="twice")
     with pytest.raises(ValueError, match="betas"):
         ForgeAdamW(model.parameters(), model=model, betas=(0.9, 1.5))
     with pytest.raises(ValueError, match="tile_bytes"):
