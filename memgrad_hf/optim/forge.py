@@ -11,9 +11,10 @@ The loss returned by ``model(...)`` is wrapped so that its backward first only m
 
 * ``"replay"``: the one backward measures the norms and records, per parameter, what its update needs (a linear
   layer's ``dY`` and input, an embedding's looked-up rows, a small tensor's gradient, a chunked head's block walk);
-  once it ends, the records are replayed as updates. No second backward: the weight-gradient GEMMs run twice (once
-  for the norm, once for the update), nothing else does. Costs the recorded ``dY`` (activation-sized, not
-  weight-sized) until the replay.
+  once it ends, the records are replayed as updates. No second backward: at most the weight-gradient GEMMs run
+  twice (once for the norm, once for the update), and not even those where the tiles fit under the peak memory
+  already reached (kept for the replay). Costs the recorded ``dY`` (activation-sized, not weight-sized) until the
+  replay.
 * ``"backward"``: a norm-only backward through the whole graph (kept with ``retain_graph``), then the update
   backward: a second backward, no extra memory. ``"auto"`` takes it under gradient checkpointing, where recording
   would keep the recomputed activations alive.
@@ -359,6 +360,18 @@ class ForgeOptimizer(Optimizer):
         for fn in replays:
             fn()
 
+    def _may_keep(self, weight: Tensor) -> bool:
+        """Whether a recording norm pass may keep this weight's gradient tiles until the replay: when they fit in
+        half the memory the step can still take without raising the process's peak so far (``_headroom``)."""
+        room = _headroom(weight.device)
+        return room is not None and 2 * weight.numel() * weight.element_size() <= room
+
+    def _apply_tiles(self, weight: Tensor, tiles: list[tuple[int, int, Tensor]]) -> None:
+        # the replay of kept tiles: the block path (gradient accumulated over earlier micro-batches added per block)
+        blk = self._begin_blocks(weight)
+        for r0, r1, tile in tiles:
+            self._apply_block(weight, blk, r0, r1, tile)
+
     def _replay_grad(self, p: Tensor, g: Tensor) -> None:
         # what autograd does in the update pass: accumulate into .grad (the earlier micro-batches' sum), then the hook
         p.grad = g if p.grad is None else p.grad + g
@@ -447,6 +460,14 @@ class ForgeOptimizer(Optimizer):
             return
         if self._mode == "norm":
             acc = self._accumulated(weight)
+            if self._replays is not None and self._may_keep(weight):
+                # the tiles stay for the replay (no second dW GEMM): memory the step has already used
+                kept = []
+                for r0, r1, tile in K.linear_weight_tiles(dy, x, rows, None, weight.dtype):
+                    self._measure(tile if acc is None else tile + acc[r0:r1])
+                    kept.append((r0, r1, tile))
+                self._record(self._apply_tiles, weight, kept)
+                return
             if acc is None and K.gram_pays(dy.shape[0], dy.shape[1], x.shape[1]):
                 self._norm_sq += K.linear_grad_norm_sq(dy, x)  # the norm without forming dW: fewer flops here
             else:
@@ -750,6 +771,21 @@ class ForgeSGD(ForgeOptimizer):
         self.rule = "sgd_momentum" if any(m != 0 for m in moms) else "sgd"
         super().__init__(groups, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                                       nesterov=bool(nesterov)), model=model, **kwargs)
+
+
+def _headroom(device: torch.device) -> int | None:
+    """Bytes that can still be allocated without raising the peak so far: the CUDA allocator's peak minus what it
+    holds, or on Linux the resident set's high-water mark minus the resident set; None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in f) if k in ("VmRSS", "VmHWM")}
+        return 1024 * (kb["VmHWM"] - kb["VmRSS"])
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def _parse_dtype(d: torch.dtype | str | None) -> torch.dtype | None:

@@ -85,14 +85,23 @@ def test_forge_with_patched_head_and_exact_clipping(tmp_path, monkeypatch, head_
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("tied,gram", [(False, False), (True, True)], ids=["untied", "tied_gram"])
-def test_exact_clipping_replay_equals_adamw_torch_and_skips_non_finite_steps(tmp_path, monkeypatch, tied, gram):
-    # replay records the fused embedding (untied) or the tied weight's autograd gradient (tied) beside the linears;
-    # a step whose norm is not finite is dropped whole, as by the second backward. gram: every linear's norm through
-    # the token Grams (chosen on its own for few tokens against wide layers; the tiny model's are too narrow)
+def _linear_norm_path(monkeypatch, path: str) -> None:
+    """Force how the replay's norm pass measures a linear layer: "tiles" (dW tiles, recomputed in the replay),
+    "gram" (the token Grams; chosen on its own for few tokens against wide layers, the tiny model's are too narrow)
+    or "keep" (the tiles kept for the replay; chosen on its own when they fit under the step's peak so far)."""
     from memgrad_hf.kernels import forge as K
+    from memgrad_hf.optim import forge
 
-    monkeypatch.setattr(K, "gram_pays", lambda *a: gram)
+    monkeypatch.setattr(K, "gram_pays", lambda *a: path == "gram")
+    monkeypatch.setattr(forge, "_headroom", lambda device: (1 << 40) if path == "keep" else 0)
+
+
+@pytest.mark.parametrize("tied,path", [(False, "tiles"), (True, "gram"), (False, "keep")],
+                         ids=["untied", "tied_gram", "untied_keep"])
+def test_exact_clipping_replay_equals_adamw_torch_and_skips_non_finite_steps(tmp_path, monkeypatch, tied, path):
+    # replay records the fused embedding (untied) or the tied weight's autograd gradient (tied) beside the linears;
+    # a step whose norm is not finite is dropped whole, as by the second backward
+    _linear_norm_path(monkeypatch, path)
     model = tiny_model("llama", tied=tied)
     ref = copy.deepcopy(model)
     _, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw", max_grad_norm=0.05))
@@ -163,13 +172,15 @@ def test_kernel_option_picks_the_gpu_weight_step(monkeypatch):
 
 
 @pytest.mark.parametrize("max_grad_norm,head,clip_pass", [
-    (0.0, False, "auto"), (0.05, False, "replay"), (0.05, False, "backward"), (0.05, "recompute", "replay"),
-    (0.05, "hold", "replay"), (0.05, "hold", "backward")],
-    ids=["no_clip", "exact_clip", "exact_clip_backward", "exact_clip_chunked_head", "exact_clip_chunked_head_hold",
-         "exact_clip_chunked_head_hold_backward"])
-def test_forge_gradient_accumulation_equals_adamw_torch(tmp_path, max_grad_norm, head, clip_pass):
+    (0.0, False, "auto"), (0.05, False, "replay"), (0.05, False, "replay_keep"), (0.05, False, "backward"),
+    (0.05, "recompute", "replay"), (0.05, "hold", "replay"), (0.05, "hold", "backward")],
+    ids=["no_clip", "exact_clip", "exact_clip_keep", "exact_clip_backward", "exact_clip_chunked_head",
+         "exact_clip_chunked_head_hold", "exact_clip_chunked_head_hold_backward"])
+def test_forge_gradient_accumulation_equals_adamw_torch(tmp_path, monkeypatch, max_grad_norm, head, clip_pass):
     # with clipping, the norm pass runs on the last micro-batch over the accumulated gradients (fused weights hold
     # theirs in .grad meanwhile: counted once, kept for the update pass or the replay)
+    _linear_norm_path(monkeypatch, "keep" if clip_pass.endswith("_keep") else "tiles")
+    clip_pass = clip_pass.removesuffix("_keep")
     model = tiny_model("llama")
     ref = copy.deepcopy(model)
     if head:
