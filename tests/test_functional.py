@@ -239,12 +239,16 @@ def test_recompute_in_backward_equals_fused_forward(kw):
         assert rel_err(x, z) < 1e-5
 
 
+@pytest.mark.parametrize("vocab_major", [True, False])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_gemms_in_vocabulary_blocks_stay_exact(monkeypatch, recompute):
+def test_gemms_in_vocabulary_blocks_stay_exact(monkeypatch, recompute, vocab_major):
     # on CPU the logits GEMM runs in column blocks and the dX GEMM sums over row blocks (smaller MKL packing
-    # buffers); with blocks narrower than the vocabulary (and a ragged last one) every path must still match torch
+    # buffers); with blocks narrower than the vocabulary (and a ragged last one) every path must still match torch,
+    # in both chunk layouts (vocabulary-major: fp32 on CPU, the default here; token-major: elsewhere)
     from memgrad_hf.kernels import head as K
 
+    assert K._vocab_major(torch.empty(1), torch.empty(1))  # what CPU fp32 runs by default
+    monkeypatch.setattr(K, "_vocab_major", lambda hidden, weight: vocab_major)
     monkeypatch.setattr(K, "_LOGIT_COLS", 32)
     monkeypatch.setattr(K, "_DX_ROWS", 24)
     h, w, b, y = _inputs(bias=True)
