@@ -51,7 +51,7 @@ CONFIG_ATTR = "memgrad_titans"  # model.config attribute holding TitansConfig.to
 _MODEL_ATTR = "_memgrad_titans"
 _LAYER_ATTR = "_memgrad_titans_layer"
 _CACHE_ATTR = "_memgrad_titans_states"
-_CACHE_NAMES = ("past_key_values", "past_key_value", "layer_past")
+_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")  # "cache": transformers >= 5.24
 
 
 @dataclass
