@@ -19,6 +19,7 @@ Nothing here knows about transformers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,30 +65,59 @@ _LOGIT_COLS = 2048  # vocabulary columns per logits GEMM call (see _chunk_logits
 _DX_ROWS = 4096  # vocabulary rows per dX GEMM call (see _accumulate)
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, ep: Epilogue, buf: Tensor | None) -> Tensor:
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, ep: Epilogue, buf: Tensor | None,
+                  row_max: Tensor | None = None) -> Tensor:
     """fp32 logits ``[c, V]`` of one chunk. The matmul runs in the weight's dtype (as ``nn.Linear`` does) so
-    results match the unpatched model; fp32 weights write straight into the reusable buffer."""
+    results match the unpatched model; fp32 weights write straight into the reusable buffer.
+
+    ``row_max`` (``[c]`` fp32) receives each row's largest logit, read from each column block while it is still in
+    cache (no separate pass over the chunk)."""
     c = h.shape[0]
     if weight.dtype == torch.float32 and buf is not None:
         out = _chunk_view(buf, c, weight.shape[0])
+        if row_max is not None:
+            row_max.fill_(-math.inf)
         # In column blocks: MKL keeps a packing buffer that grows with the output width for the life of the process
         # (32 MiB at 32k columns, 9 MiB at 4k, 6 MiB at 2k), at no cost in speed. Each logit is the same dot
         # product: exact.
         for v0 in range(0, weight.shape[0], _LOGIT_COLS):
             v1 = min(v0 + _LOGIT_COLS, weight.shape[0])
+            blk = out[:, v0:v1]
             if bias is None:
-                torch.mm(h, weight[v0:v1].t(), out=out[:, v0:v1])
+                torch.mm(h, weight[v0:v1].t(), out=blk)
             else:
-                torch.addmm(bias[v0:v1], h, weight[v0:v1].t(), out=out[:, v0:v1])
+                torch.addmm(bias[v0:v1], h, weight[v0:v1].t(), out=blk)
+            apply_epilogue_(blk, ep)
+            if row_max is not None:
+                torch.maximum(row_max, blk.amax(1), out=row_max)
+        return out
+    u = torch.nn.functional.linear(h, weight, bias)
+    if buf is not None:
+        out = _chunk_view(buf, c, weight.shape[0])
+        out.copy_(u)
     else:
-        u = torch.nn.functional.linear(h, weight, bias)
-        if buf is not None:
-            out = _chunk_view(buf, c, weight.shape[0])
-            out.copy_(u)
-        else:
-            out = u.float()
-        del u
-    return apply_epilogue_(out, ep)
+        out = u.float()
+    del u
+    apply_epilogue_(out, ep)
+    if row_max is not None:
+        torch.amax(out, 1, out=row_max)
+    return out
+
+
+def _exp_shifted_(z: Tensor, shift: Tensor, want_sum: bool = False) -> Tensor | None:
+    """``z <- exp(z - shift)`` row-wise, in place, one column block at a time so that each block is read from
+    memory once for all three ops (a softmax along the strided dimension of a vocabulary-major chunk walks memory
+    ~3x slower); returns each row's sum when ``want_sum``.
+
+    With ``shift`` the row max this is the softmax numerator, ``p = e / sum`` and ``lse = max + log(sum)``
+    (exact: ``sum`` lies in ``[1, V]``); with ``shift = lse`` it is ``p`` itself."""
+    total = torch.zeros_like(shift) if want_sum else None
+    for v0 in range(0, z.shape[1], _LOGIT_COLS):
+        blk = z[:, v0:v0 + _LOGIT_COLS]
+        blk.sub_(shift[:, None]).exp_()
+        if total is not None:
+            total += blk.sum(1)
+    return total
 
 
 def _mm_f32(a: Tensor, b: Tensor, acc: Tensor | None = None) -> Tensor:
@@ -125,29 +155,6 @@ def _softmax_(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     torch.ops.aten._softmax.out(z, 1, False, out=z)
     lse = m - z.gather(1, idx[:, None]).squeeze(1).log()
     return z, lse, idx
-
-
-def _softmax_rows_(z: Tensor) -> Tensor:
-    """Softmax of each row of ``z`` in place (one fused vectorized kernel), in either chunk layout."""
-    if z.stride(1) != 1:  # vocabulary-major chunk: softmax down the columns of the contiguous [vocab x chunk]
-        zt = z.t()
-        return torch.ops.aten._softmax.out(zt, 0, False, out=zt).t()
-    return torch.ops.aten._softmax.out(z, 1, False, out=z)
-
-
-def _softmax_lse_(z: Tensor, zt: Tensor, t: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None,
-                  ep: Epilogue) -> tuple[Tensor, Tensor]:
-    """Softmax of ``z`` in place and its ``lse`` without a separate max pass: ``lse = z_t - log p_t``.
-
-    ``p_t`` carries full relative precision while it is a normal float, so this is as exact as a log-sum-exp
-    pass; rows whose ``p_t`` is tiny (target logit ~70 below the max) get ``lse`` from recomputed logits."""
-    _softmax_rows_(z)
-    pt = z.gather(1, t[:, None]).squeeze(1)
-    lse = zt - pt.log()
-    bad = (pt < 1e-30).nonzero().squeeze(1)  # one host sync per chunk
-    for r in bad.split(64) if bad.numel() else ():  # rare; small row blocks bound the extra memory
-        lse[r] = torch.logsumexp(_chunk_logits(h[r], weight, bias, ep, None), 1)
-    return z, lse
 
 
 def _stats_of_chunk(z: Tensor, t: Tensor, want: frozenset[str]) -> dict[str, Tensor]:
@@ -391,7 +398,8 @@ def head_backward(
         h = hidden[s:e]
         z = _chunk_logits(h, weight, bias, ep, buf)
         dcap = _cap_derivative(z, ep)
-        p = _softmax_rows_(z)  # == exp(z - lse) to rounding, in one fused pass
+        p = z
+        _exp_shifted_(p, lse[s:e])  # p = exp(z - lse): lse from the forward, no max or sum pass
         du, rows = _grad_from_probs(p, targets[s:e], lse[s:e], alpha[s:e], part(beta, s, e), part(gamma, s, e),
                                     part(delta, s, e), dcap, ep, factor_rows=weight.dtype == torch.float32)
         del dcap
@@ -514,15 +522,17 @@ def fused_cross_entropy(
     db = torch.zeros(vocab, dtype=accum_dtype, device=weight.device) if need_db else None
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     buf = _buffer(n, chunk_size, vocab, hidden.device, _vocab_major(hidden, weight))
+    zmax = torch.empty(min(n, chunk_size), dtype=torch.float32, device=hidden.device)
     eps = float(label_smoothing)
     for s in range(0, n, chunk_size):
         e = min(s + chunk_size, n)
         h, t, w = hidden[s:e], targets[s:e], token_weight[s:e]
-        z = _chunk_logits(h, weight, bias, ep, buf)
+        z = _chunk_logits(h, weight, bias, ep, buf, row_max=zmax[: e - s])
         zt = z.gather(1, t[:, None]).squeeze(1)
         zmean = z.mean(1) if eps else None
         dcap = _cap_derivative(z, ep) if want_grad else None
-        p, lse = _softmax_lse_(z, zt, t, h, weight, bias, ep)  # z is consumed
+        total = _exp_shifted_(z, zmax[: e - s], want_sum=True)  # z now holds p·total
+        lse = zmax[: e - s] + total.log()
         ce = lse - zt
         if eps:
             ce = (1 - eps) * ce + eps * (lse - zmean)
@@ -533,7 +543,8 @@ def fused_cross_entropy(
             alpha = w * (1 + 2 * z_loss * lse) if z_loss else w
             gamma = -(1 - eps) * w
             delta = -(eps / vocab) * w if eps else None
-            du, rows = _grad_from_probs(p, t, lse, alpha, None, gamma, delta, dcap, ep,
+            # alpha·p = (alpha / total)·z: the normalisation rides on the per-token factor (no pass over the chunk)
+            du, rows = _grad_from_probs(z, t, lse, alpha / total, None, gamma, delta, dcap, ep,
                                         factor_rows=weight.dtype == torch.float32)
             del dcap
             _accumulate(du, rows, h, weight, None if dx is None else dx[s:e], dw, db, first=s == 0)
