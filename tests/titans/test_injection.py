@@ -2,6 +2,7 @@
 checkpointing, save/load, exact unpatch."""
 
 import copy
+import inspect
 import json
 import warnings
 
@@ -36,6 +37,11 @@ def _activate(model, std=0.5):
 def _patched(family="llama", layers=(-1,), head=False, **kw):
     model = tiny_model(family).eval()
     return memgrad_hf.patch_model(model, head=head, titans=TitansConfig(layers=list(layers), **{**CFG, **kw}))
+
+
+def _cache(model, cache):
+    """The KV-cache keyword of this transformers version (``cache`` since 5.24, ``past_key_values`` before)."""
+    return {("cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"): cache}
 
 
 def _greedy_loop(model, ids, steps):
@@ -95,7 +101,7 @@ def test_segments_through_a_cache_equal_one_forward(family):
         full = model(ids, use_cache=False).logits
         for _ in range(2):  # a fresh cache starts a new sequence: same result the second time
             cache = DynamicCache(config=model.config)
-            parts = [model(ids[:, s:e], past_key_values=cache, use_cache=True).logits
+            parts = [model(ids[:, s:e], **_cache(model, cache), use_cache=True).logits
                      for s, e in [(0, 3), (3, 8), (8, 9), (9, 13)]]
             assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
         # without a cache every call is its own sequence: the second segment alone differs from its place in `full`
@@ -131,9 +137,9 @@ def test_static_and_reused_caches():
     for _ in range(2):  # transformers keeps one StaticCache and reset()s it between calls
         assert torch.equal(model.generate(ids, cache_implementation="static", **kw), ref)
     cache = DynamicCache(config=model.config)
-    assert torch.equal(model.generate(ids, past_key_values=cache, **kw), ref)
+    assert torch.equal(model.generate(ids, **_cache(model, cache), **kw), ref)
     cache.reset()
-    assert torch.equal(model.generate(ids, past_key_values=cache, **kw), ref)
+    assert torch.equal(model.generate(ids, **_cache(model, cache), **kw), ref)
 
 
 def test_deepcopy_gives_an_independent_patched_model():  # e.g. TRL's reference model
@@ -156,11 +162,11 @@ def test_cache_misuse_is_an_error():
     plain = tiny_model("llama").eval()
     with torch.no_grad():
         cache = DynamicCache(config=plain.config)
-        plain(ids, past_key_values=cache, use_cache=True)  # filled without memory
+        plain(ids, **_cache(plain, cache), use_cache=True)  # filled without memory
         with pytest.raises(ValueError, match="no memory state"):
-            model(ids[:, :1], past_key_values=cache, use_cache=True)
+            model(ids[:, :1], **_cache(model, cache), use_cache=True)
         cache = DynamicCache(config=model.config)
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **_cache(model, cache), use_cache=True)
         with pytest.raises(NotImplementedError, match="rolled back"):
             cache.crop(-2)
         cache.crop(0)  # a no-op stays allowed
