@@ -112,8 +112,9 @@ def _exp_shifted_(z: Tensor, shift: Tensor, want_sum: bool = False) -> Tensor | 
     With ``shift`` the row max this is the softmax numerator, ``p = e / sum`` and ``lse = max + log(sum)``
     (exact: ``sum`` lies in ``[1, V]``); with ``shift = lse`` it is ``p`` itself."""
     total = torch.zeros_like(shift) if want_sum else None
-    for v0 in range(0, z.shape[1], _LOGIT_COLS):
-        blk = z[:, v0:v0 + _LOGIT_COLS]
+    step = z.shape[1] if z.is_cuda else _LOGIT_COLS  # on a GPU each block would be three more launches
+    for v0 in range(0, z.shape[1], step):
+        blk = z[:, v0:v0 + step]
         blk.sub_(shift[:, None]).exp_()
         if total is not None:
             total += blk.sum(1)
