@@ -146,30 +146,25 @@ class Stats:
     top1: Tensor | None = None  # the target is the (first) argmax
 
 
-def _softmax_(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Softmax of ``z`` in place (one fused vectorized kernel), its ``lse`` and the argmax.
+def _stats_of_chunk(z: Tensor, zmax: Tensor, t: Tensor, want: frozenset[str]) -> dict[str, Tensor]:
+    """Consumes ``z`` (overwritten); ``zmax`` is its row maximum. ``t`` holds valid indices only. ``want`` ⊆
+    {entropy, zmean, sumsq, top1}.
 
-    ``lse = max - log p[argmax]``: ``p[argmax] >= 1/V`` never underflows, so this is as exact as a separate
-    log-sum-exp pass, at the cost of one max/argmax read instead of three more passes over the chunk.
-    """
-    m, idx = z.max(1)
-    torch.ops.aten._softmax.out(z, 1, False, out=z)
-    lse = m - z.gather(1, idx[:, None]).squeeze(1).log()
-    return z, lse, idx
-
-
-def _stats_of_chunk(z: Tensor, t: Tensor, want: frozenset[str]) -> dict[str, Tensor]:
-    """Consumes ``z`` (overwritten). ``t`` holds valid indices only. ``want`` ⊆ {entropy, zmean, sumsq, top1}."""
+    From ``e = exp(z - max)`` and ``s = Σ e`` (so ``p = e / s``): ``lse = max + log s``, ``Σ p² = Σ e² / s²`` and
+    ``H = -Σ p log p = log s - Σ e log e / s``, a sum of two non-negative terms (no cancellation)."""
     out = {"target": z.gather(1, t[:, None]).squeeze(1)}
     if "zmean" in want:
         out["zmean"] = z.mean(1)
-    p, out["lse"], idx = _softmax_(z)
     if "top1" in want:
-        out["top1"] = idx == t
+        out["top1"] = z.argmax(1) == t  # the first argmax, as the Triton kernel
+    total = _exp_shifted_(z, zmax, want_sum=True)
+    log_total = total.log()
+    out["lse"] = zmax + log_total
     if "sumsq" in want:
-        out["sumsq"] = torch.linalg.vector_norm(p, dim=1).square()
+        # by column blocks: vector_norm down a vocabulary-major chunk's strided dimension loses ~1e-4 relative
+        out["sumsq"] = sum(blk.square().sum(1) for blk in z.split(_LOGIT_COLS, 1)) / total.square()
     if "entropy" in want:
-        out["entropy"] = -torch.special.xlogy(p, p, out=p).sum(1)  # H = -Σ p log p (consumes p)
+        out["entropy"] = log_total - torch.special.xlogy(z, z, out=z).sum(1) / total  # consumes e
     return out
 
 
@@ -328,7 +323,7 @@ def _chunk_view(buf: Tensor, c: int, vocab: int) -> Tensor:
 
 
 def _vocab_major(hidden: Tensor, weight: Tensor) -> bool:
-    """The chunk layout of the 3-GEMM loops: vocabulary-major for fp32 on CPU (faster GEMMs, see :func:`_buffer`)."""
+    """The chunk layout on the torch path: vocabulary-major for fp32 on CPU (faster GEMMs, see :func:`_buffer`)."""
     return weight.dtype == torch.float32 and hidden.device.type == "cpu"
 
 
@@ -355,11 +350,12 @@ def head_stats(
     res = {k: torch.empty(n, **f32) for k in ("lse", "target", *sorted(want - {"top1"}))}
     if need_top1:
         res["top1"] = torch.empty(n, dtype=torch.bool, device=hidden.device)
-    buf = _buffer(n, chunk_size, weight.shape[0], hidden.device)
+    buf = _buffer(n, chunk_size, weight.shape[0], hidden.device, _vocab_major(hidden, weight))
+    zmax = torch.empty(min(n, chunk_size), dtype=torch.float32, device=hidden.device)
     for s in range(0, n, chunk_size):
         e = min(s + chunk_size, n)
-        z = _chunk_logits(hidden[s:e], weight, bias, ep, buf)
-        for k, v in _stats_of_chunk(z, targets[s:e], want).items():
+        z = _chunk_logits(hidden[s:e], weight, bias, ep, buf, row_max=zmax[: e - s])
+        for k, v in _stats_of_chunk(z, zmax[: e - s], targets[s:e], want).items():
             res[k][s:e] = v
     return Stats(**res)
 
