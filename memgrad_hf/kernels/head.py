@@ -63,6 +63,11 @@ def apply_epilogue_(u: Tensor, ep: Epilogue) -> Tensor:
 
 _LOGIT_COLS = 2048  # vocabulary columns per logits GEMM call (see _chunk_logits)
 _DX_ROWS = 4096  # vocabulary rows per dX GEMM call (see _accumulate)
+# A CPU GEMM with fewer output rows than _FEW_ROWS may run a BLAS small-matrix path that adds the whole contraction
+# into one running sum (MKL: 1-11 rows, not a multiple of 4). Over a vocabulary, where the target's term dwarfs the
+# others, that costs ~2e-5 relative in dX at 200k words (measured; ~1e-6 for a larger call, as HF's one GEMM over all
+# tokens): such calls sum fresh products of _PARTIAL_K-long slices instead (see _mm_long_)
+_FEW_ROWS, _PARTIAL_K = 16, 1024
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, ep: Epilogue, buf: Tensor | None,
@@ -119,6 +124,21 @@ def _exp_shifted_(z: Tensor, shift: Tensor, want_sum: bool = False) -> Tensor | 
         if total is not None:
             total += blk.sum(1)
     return total
+
+
+def _mm_long_(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """``out = a @ b`` (``accumulate``: ``out += a @ b``) in ``out``'s dtype, for a long contraction (the
+    vocabulary). A CPU call with few rows sums fresh products of slices (see ``_FEW_ROWS``): as accurate as a large
+    call whatever the BLAS library's small-matrix path does."""
+    if a.is_cuda or a.shape[0] >= _FEW_ROWS or a.shape[1] <= _PARTIAL_K:
+        out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+        return
+    part = torch.empty_like(out)
+    for k0 in range(0, a.shape[1], _PARTIAL_K):
+        first = k0 == 0 and not accumulate
+        torch.mm(a[:, k0:k0 + _PARTIAL_K], b[k0:k0 + _PARTIAL_K], out=out if first else part)
+        if not first:
+            out.add_(part)
 
 
 def _mm_f32(a: Tensor, b: Tensor, acc: Tensor | None = None) -> Tensor:
@@ -257,9 +277,8 @@ def _accumulate(
             # on CPU summed over vocabulary blocks: MKL's packing buffer then stays ~5 MiB instead of ~9 at 32k rows,
             # at the same speed (one GEMM on a GPU: each block would be a launch)
             blk = weight.shape[0] if du_lp.is_cuda else _DX_ROWS
-            torch.mm(du_lp[:, :blk], weight[:blk], out=dx_out)
-            for v0 in range(blk, weight.shape[0], blk):
-                dx_out.addmm_(du_lp[:, v0:v0 + blk], weight[v0:v0 + blk])
+            for v0 in range(0, weight.shape[0], blk):
+                _mm_long_(dx_out, du_lp[:, v0:v0 + blk], weight[v0:v0 + blk], accumulate=v0 > 0)
         else:
             dx_out.copy_(du_lp @ weight)
         if rows is not None:
@@ -479,7 +498,7 @@ def head_backward_vocab_blocks(
                                 factor_rows=False)
         du = p if not lp else p.to(weight.dtype)
         if dx is not None:
-            _mm_f32(du, w_blk, dx) if lp else dx.addmm_(du, w_blk)
+            _mm_f32(du, w_blk, dx) if lp else _mm_long_(dx, du, w_blk, accumulate=True)
         if dw_out is None:
             dw_blk = (du.t() @ hidden) if not lp else _mm_f32(du.t(), hidden).to(weight.dtype)
         elif lp:
