@@ -79,6 +79,10 @@ FAMILY: dict[str, dict[str, object]] = {
                  ffn_config=dict(hidden_size=32, ffn_hidden_size=64)),
     "qwen4_exp": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8,
                       indexer_compress_ratio=4),
+    # a looped (recurrent-depth) decoder: its to_dict() interleaves an "mlp" entry after every layer type and doubles
+    # the section counts, which the generic layer rules cannot keep consistent; input, looped and output sections
+    "dory": dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                 n_input_layers=1, n_recurrent_layers=1, n_output_layers=1),
     # trains on sequences of exactly prod(axial_pos_shape) tokens (check() uses 8); its reversible layers reseed
     # torch from entropy (torch.seed()), so hashing and dropout must not draw random numbers
     "reformer": dict(is_decoder=True, axial_pos_shape=[2, 4], axial_pos_embds_dim=[16, 16], local_attn_chunk_length=4,

@@ -6,6 +6,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+def enable_checkpointing(model: torch.nn.Module, use_reentrant: bool = False) -> None:
+    """Activation checkpointing under the name of the installed transformers (``activation_checkpointing_enable``
+    since 5.24; ``gradient_checkpointing_enable`` is deprecated there and goes in v6)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a-b| / max |b| (0 when both are 0)."""
     a, b = a.detach().double(), b.detach().double()

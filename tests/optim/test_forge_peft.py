@@ -4,10 +4,16 @@ import copy
 
 import pytest
 import torch
+import transformers
 from peft import LoraConfig, get_peft_model
 
 from memgrad_hf.optim import ForgeAdamW
 from tests.tiny_models import tiny_model
+
+# the Trainer's activation checkpointing, under the name of the installed transformers (gradient_checkpointing is a
+# deprecated alias since 5.24, gone in v6)
+_NEW_NAME = "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__
+_CHECKPOINTING = {"activation_checkpointing" if _NEW_NAME else "gradient_checkpointing": True}
 
 
 def _lora(seed: int) -> torch.nn.Module:
@@ -64,7 +70,7 @@ def test_everything_at_once_in_trainer_equals_stock(tmp_path, head_grad, clip_pa
             use_cpu=True, seed=0, data_seed=0, optim="forge_adamw" if patched else "adamw_torch",
             optim_args=f"head_grad={head_grad},clip_pass={clip_pass}" if patched else None,
             lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0,
-            gradient_checkpointing=True, label_smoothing_factor=0.1)
+            label_smoothing_factor=0.1, **_CHECKPOINTING)
         trainer = Trainer(model=model, args=args, train_dataset=_data(n=24))
         trainer.train()
         logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]

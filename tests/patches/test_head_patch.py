@@ -8,7 +8,7 @@ from torch import nn
 
 import memgrad_hf
 from memgrad_hf import UnsupportedModelError
-from tests.helpers import LargestTensor
+from tests.helpers import LargestTensor, enable_checkpointing
 from tests.patches.test_models import _assert_same, _loss_and_grads
 from tests.tiny_models import VOCAB, tiny_model
 
@@ -148,7 +148,7 @@ def test_deepcopy_of_patched_model_patches_the_copy():
 def test_gradient_checkpointing():
     model, ref = _pair()
     for m in (model, ref):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(m)
     ids, labels = _batch()
     ref_out, ref_g = _loss_and_grads(ref, ids, labels)
     memgrad_hf.patch_model(model)

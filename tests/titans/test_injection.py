@@ -15,6 +15,7 @@ from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.patches import is_head_patched
 from memgrad_hf.patches.titans import find_decoder_layers, is_titans_patched, remove_titans, titans_branches
 from memgrad_hf.titans import TitansConfig, from_pretrained, load_titans, save_titans, titans_state_dict
+from tests.helpers import enable_checkpointing
 from tests.tiny_models import VOCAB, tiny_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -213,7 +214,7 @@ def test_gradient_checkpointing_same_grads_and_memory_recomputed(reentrant):
     titans_branches(model)[0].register_forward_pre_hook(lambda *a: calls.append(1))
     ref = _grads(model, ids)
     assert len(calls) == 1
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_checkpointing(model, use_reentrant=reentrant)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = _grads(model, ids)
@@ -377,7 +378,7 @@ def test_packed_documents_each_start_from_a_fresh_memory(checkpointing):
     pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
     if checkpointing:
         model.train()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     out = model(ids, position_ids=pos, use_cache=False).logits
     out.sum().backward()  # the gather / scatter of documents is differentiable
     assert all(p.grad is not None for p in titans_branches(model)[0].memory.to_keys.parameters())
