@@ -109,6 +109,20 @@ def _defer(consumer: Any, fn: Any, *args: Any) -> bool:
     return bool(defer is not None and defer(fn, *args))
 
 
+def _keeping(consumer: Any, kept: list) -> Any:
+    """``consumer``, also appending every ``(v0, v1, dW block, db block)`` it receives to ``kept``."""
+    def keep_and_consume(v0: int, v1: int, dw: Tensor, db: Tensor | None) -> None:
+        kept.append((v0, v1, dw, db))
+        consumer(v0, v1, dw, db)
+
+    return keep_and_consume
+
+
+def _feed(consumer: Any, blocks: list) -> None:
+    for block in blocks:
+        consumer(*block)
+
+
 def _hand_over(consumer: Any, dw: Tensor, grad: Tensor, retain: bool) -> None:
     """Give a weight gradient held since forward to ``consumer`` in blocks of vocabulary rows (~4 MiB each; 64 MiB
     on a GPU, where each block is a kernel launch), scaled by the loss's incoming gradient; the blocks are scaled in
@@ -160,11 +174,16 @@ class _ChunkedHeadStats(torch.autograd.Function):
         delta = None if g_zmean is None or g_zmean.numel() == 0 else g_zmean.float() / vocab
         if ctx.weight_consumer is not None and need[1]:
             # the weight gradient goes to the consumer one vocabulary block at a time; autograd gets None for it
+            consumer = ctx.weight_consumer
+            kept = [] if getattr(consumer, "keep", None) is not None and consumer.keep() else None
             walk = head_impl(hidden.device).head_backward_vocab_blocks
-            args = (hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta, ctx.weight_consumer)
+            args = (hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta,
+                    consumer if kept is None else _keeping(consumer, kept))
             dx, _ = walk(*args, need_dx=need[0], need_db=bias is not None and need[2])
-            _defer(ctx.weight_consumer, functools.partial(walk, need_dx=False, need_db=bias is not None and need[2]),
-                   *args)
+            if kept is not None:  # a replay re-feeds the blocks (each a fresh tensor) instead of walking again
+                _defer(consumer, _feed, consumer, kept)
+            else:
+                _defer(consumer, functools.partial(walk, need_dx=False, need_db=bias is not None and need[2]), *args)
             return dx, None, None, None, None, None, None, None, None, None, None
         dx, dw, db = head_impl(hidden.device).head_backward(
             hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta,

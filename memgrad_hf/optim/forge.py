@@ -569,8 +569,11 @@ class ForgeOptimizer(Optimizer):
             self._apply_block(weight, state["blk"], v0, v1, dw)
 
         consume.hold = self._hold_head_grad(weight)  # type: ignore[attr-defined]  (read by the head patch)
-        # a recording norm pass (clip_pass="replay") keeps the head's block walk, replayed once the norm is known
+        # a recording norm pass (clip_pass="replay") keeps the head's block walk, replayed once the norm is known;
+        # or, where the blocks fit under the peak so far (as a linear layer's tiles), the blocks themselves: the
+        # replay then applies them instead of recomputing the logits
         consume.defer = self._record  # type: ignore[attr-defined]
+        consume.keep = lambda: self._replays is not None and self._may_keep(weight)  # type: ignore[attr-defined]
         return consume
 
     def _hold_head_grad(self, weight: Tensor) -> bool:

@@ -173,14 +173,21 @@ def test_kernel_option_picks_the_gpu_weight_step(monkeypatch):
 
 @pytest.mark.parametrize("max_grad_norm,head,clip_pass", [
     (0.0, False, "auto"), (0.05, False, "replay"), (0.05, False, "replay_keep"), (0.05, False, "backward"),
-    (0.05, "recompute", "replay"), (0.05, "hold", "replay"), (0.05, "hold", "backward")],
+    (0.05, "recompute", "replay"), (0.05, "recompute", "replay_keep"), (0.05, "hold", "replay"),
+    (0.05, "hold", "backward")],
     ids=["no_clip", "exact_clip", "exact_clip_keep", "exact_clip_backward", "exact_clip_chunked_head",
-         "exact_clip_chunked_head_hold", "exact_clip_chunked_head_hold_backward"])
+         "exact_clip_chunked_head_keep", "exact_clip_chunked_head_hold", "exact_clip_chunked_head_hold_backward"])
 def test_forge_gradient_accumulation_equals_adamw_torch(tmp_path, monkeypatch, max_grad_norm, head, clip_pass):
     # with clipping, the norm pass runs on the last micro-batch over the accumulated gradients (fused weights hold
     # theirs in .grad meanwhile: counted once, kept for the update pass or the replay)
-    _linear_norm_path(monkeypatch, "keep" if clip_pass.endswith("_keep") else "tiles")
+    keep = clip_pass.endswith("_keep")
+    _linear_norm_path(monkeypatch, "keep" if keep else "tiles")
     clip_pass = clip_pass.removesuffix("_keep")
+    from memgrad_hf.kernels import head as KH
+
+    walks = []  # the recomputing head's vocabulary walks: one per backward, plus one per replay unless kept
+    real_walk = KH.head_backward_vocab_blocks
+    monkeypatch.setattr(KH, "head_backward_vocab_blocks", lambda *a, **k: (walks.append(1), real_walk(*a, **k))[1])
     model = tiny_model("llama")
     ref = copy.deepcopy(model)
     if head:
@@ -193,6 +200,8 @@ def test_forge_gradient_accumulation_equals_adamw_torch(tmp_path, monkeypatch, m
     if max_grad_norm:
         assert max(gb) > max_grad_norm and ga == pytest.approx(gb, rel=1e-4)
     _assert_weights_close(model, ref)
+    if head == "recompute":  # 3 steps of 2 micro-batches; the last micro-batch's backward records the replay
+        assert len(walks) == 3 * 2 + (0 if keep else 3)
 
 
 class _RefLion(torch.optim.Optimizer):
