@@ -73,3 +73,28 @@ def tiny_model(family: str = "llama", tied: bool = False, seed: int = 0, **extra
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, tied, **extra)).float()
     return model
+
+
+class WordScaledHead(torch.nn.Linear):
+    """An LM head module with a forward of its own: a learned scale per word after its linear (as transformers
+    5.24's dory), then ``post`` (a callable on the logits, e.g. something the chunked head cannot reproduce)."""
+
+    def __init__(self, linear: torch.nn.Linear, bias: bool = False, post=None):
+        super().__init__(linear.in_features, linear.out_features, bias=bias)
+        with torch.no_grad():
+            self.weight.copy_(linear.weight)
+            if bias:
+                self.bias.normal_()
+        self.word_scale = torch.nn.Parameter(torch.rand(linear.out_features) + 0.5)
+        self.post = post
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(hidden_states).float() * (self.word_scale * 2.0)
+        return logits if self.post is None else self.post(self, logits)
+
+
+def with_word_scaled_head(model, bias: bool = False, post=None):
+    """``model`` (untied) with its ``lm_head`` replaced by a :class:`WordScaledHead` of the same weight."""
+    torch.manual_seed(1)
+    model.set_output_embeddings(WordScaledHead(model.get_output_embeddings(), bias=bias, post=post))
+    return model

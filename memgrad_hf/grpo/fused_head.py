@@ -87,7 +87,7 @@ def add_fused_lm_head(
         weight_device = next(head.parameters()).device
         hidden, targets = hidden.to(weight_device), targets.to(weight_device)
         mask = targets != -100
-        hidden, weight, bias, softcap, scale = head_operands(head, hidden, cap.owner, probe._chain)
+        hidden, weight, bias, softcap, scale = head_operands(head, hidden, cap.owner, probe._chain, cap.linear)
         ctx = nullcontext()
         if cast_lm_head_to_fp32:
             hidden, weight = hidden.float(), weight.float()

@@ -127,6 +127,32 @@ class _Capture:
     hidden: torch.Tensor | None = None
     head_calls: int = 0
     loss_calls: int = 0
+    # an nn.Linear subclass head with its own forward: the (weight, bias) its F.linear received (see _traced)
+    linear: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+
+def _traced(head: nn.Module) -> bool:
+    """An ``nn.Linear`` subclass with a forward of its own (e.g. a learned per-word logit scale after its linear):
+    its forward runs, with its ``F.linear`` on the head input answered by the probe, so that what it does to the
+    logits is recorded like what the model does to them."""
+    return isinstance(head, nn.Linear) and type(head).forward is not nn.Linear.forward
+
+
+class _LinearToProbe(torch.overrides.TorchFunctionMode):
+    """Answers the first ``F.linear`` applied to ``x`` with ``probe(x)``, recording its weight and bias in ``cap``."""
+
+    def __init__(self, x: torch.Tensor, cap: _Capture, probe: Any) -> None:
+        super().__init__()
+        self.x, self.cap, self.probe = x, cap, probe
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear and self.cap.linear is None and args and args[0] is self.x:
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            self.cap.linear = (weight, bias)
+            return self.probe(self.x)
+        return func(*args, **kwargs)
 
 
 def _head_out_features(head: nn.Module) -> int:
@@ -151,6 +177,12 @@ def capture_head_input(model: nn.Module, patch: HeadPatch | None = None):
         raise UnsupportedModelError(f"{owner}.get_output_embeddings() returned None: no LM head to chunk.")
     cap = _Capture(owner=owner, vocab=_head_out_features(head))
 
+    def probe(x: torch.Tensor) -> LogitsProbe:
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        return LogitsProbe((*x.shape[:-1], cap.vocab), dtype, x.device, Chain(), owner,
+                           None if patch is None else cross_entropy)
+
     def head_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> LogitsProbe:
         cap.head_calls += 1
         if cap.head_calls > 1:
@@ -158,10 +190,17 @@ def capture_head_input(model: nn.Module, patch: HeadPatch | None = None):
                 f"{owner} calls its LM head more than once per forward; memgrad_hf cannot chunk it exactly."
             )
         cap.hidden = x
-        dev = x.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        return LogitsProbe((*x.shape[:-1], cap.vocab), dtype, x.device, Chain(), owner,
-                           None if patch is None else cross_entropy)
+        if not _traced(head):
+            return probe(x)
+        with _LinearToProbe(x, cap, probe):
+            out = type(head).forward(head, x, *args, **kwargs)
+        if cap.linear is None or not isinstance(out, LogitsProbe):
+            raise UnsupportedModelError(
+                f"{owner}'s output embeddings ({type(head).__name__}) "
+                + ("never apply F.linear to their input" if cap.linear is None else "do not return their logits")
+                + "; memgrad_hf's chunked head cannot reproduce them. Use patch_model(model, head=False)."
+            )
+        return out
 
     def cross_entropy(logits: LogitsProbe, target: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         cap.loss_calls += 1
@@ -235,11 +274,17 @@ def _chunked_causal_lm_loss(
                                   label_smoothing=patch.label_smoothing, num_items_in_batch=num_items_in_batch)
 
 
-def head_operands(head: nn.Module, hidden: torch.Tensor, owner: str, chain: Chain):
+def head_operands(head: nn.Module, hidden: torch.Tensor, owner: str, chain: Chain,
+                  linear: tuple[torch.Tensor, torch.Tensor | None] | None = None):
     """``(hidden', weight, bias, softcap, logit_scale)`` that reproduce ``head(hidden)`` followed by what the
-    forward did to the logits (``chain``), for :mod:`memgrad_hf.functional`."""
-    h, weight, bias = resolve_head(head, hidden, owner)
+    forward did to the logits (``chain``), for :mod:`memgrad_hf.functional`. ``linear``: the weight and bias a
+    traced head module's ``F.linear`` received (``_Capture.linear``)."""
+    h, weight, bias = resolve_head(head, hidden, owner) if linear is None else (hidden, *linear)
     _require_whole(weight, owner)
+    if chain.column_scales:  # z = (h Wᵀ + b) ⊙ s  ==  h (s ⊙ W)ᵀ + s ⊙ b, differentiable in W, b and s
+        s = functools.reduce(torch.mul, (c.reshape(-1).float() for c in chain.column_scales))
+        weight = (weight.float() * s[:, None]).to(weight.dtype)
+        bias = None if bias is None else (bias.float() * s).to(bias.dtype)
     if chain.vocab_limit is not None:
         weight = weight[: chain.vocab_limit]
         bias = None if bias is None else bias[: chain.vocab_limit]
@@ -262,7 +307,7 @@ def _require_whole(weight: torch.Tensor, owner: str) -> None:
 
 def _chunked_cross_entropy(head: nn.Module, cap: _Capture, patch: HeadPatch, chain: Chain, hidden: torch.Tensor,
                            targets: torch.Tensor, **loss_kwargs: Any) -> torch.Tensor:
-    h, weight, bias, softcap, scale = head_operands(head, hidden, cap.owner, chain)
+    h, weight, bias, softcap, scale = head_operands(head, hidden, cap.owner, chain, cap.linear)
     consumer = _consumer(patch, head, weight, bias)
     return linear_cross_entropy(
         h, weight, targets, bias=bias, softcap=softcap, logit_scale=scale, chunk_size=patch.chunk_size,

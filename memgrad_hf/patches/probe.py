@@ -10,7 +10,7 @@ differently from what its own code says.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -35,12 +35,14 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 @dataclass(frozen=True)
 class Chain:
     """What has been applied to the logits so far: ``z = post * tanh(pre * u)`` (or ``pre * u``), then a vocab
-    slice ``[:vocab_limit]``."""
+    slice ``[:vocab_limit]``; ``u`` is the head's output times the product of ``column_scales`` (per-word tensors,
+    e.g. a learned logit scale inside the head module: folded into the weight's rows, differentiably)."""
 
     pre: float = 1.0
     tanh: bool = False
     post: float = 1.0
     vocab_limit: int | None = None
+    column_scales: tuple[torch.Tensor, ...] = field(default=(), compare=False)
 
     def epilogue(self) -> Epilogue:
         if self.tanh:
@@ -57,6 +59,12 @@ def _scalar(x: Any) -> float | None:
     if isinstance(x, torch.Tensor) and not isinstance(x, LogitsProbe) and x.numel() == 1 and not x.requires_grad:
         return float(x.detach().reshape(()).item())
     return None
+
+
+def _per_word(x: Any, vocab: int) -> bool:
+    """A tensor of one value per vocabulary entry, broadcast over the tokens (``[V]``, ``[1, 1, V]``, ...)."""
+    return (isinstance(x, torch.Tensor) and not isinstance(x, LogitsProbe) and x.dim() >= 1 and vocab > 1
+            and x.shape[-1] == vocab and x.numel() == vocab and x.is_floating_point())
 
 
 class LogitsProbe(torch.Tensor):
@@ -85,6 +93,9 @@ class LogitsProbe(torch.Tensor):
         kwargs = kwargs or {}
         if func is F.cross_entropy and args and isinstance(args[0], LogitsProbe) and args[0]._cross_entropy:
             return args[0]._cross_entropy(*args, **kwargs)
+        # an nn.Parameter operand (e.g. a learned scale) is a plain tensor here: without this, neither subclass would
+        # handle ``probe * parameter`` (a TypeError instead of the op reaching __torch_dispatch__)
+        types = tuple(t for t in types if not issubclass(t, torch.nn.Parameter))
         return super().__torch_function__(func, types, args, kwargs)
 
     @classmethod
@@ -107,7 +118,8 @@ class LogitsProbe(torch.Tensor):
 def _unsupported(owner: str, func: Any) -> str:
     return (
         f"{owner}.forward applies `{func}` to the logits after the LM head; memgrad_hf's chunked head models "
-        "only logit scales/multipliers, final-logit softcapping, dtype casts and a vocab slice, so it cannot "
+        "only logit scales/multipliers (scalars, or one per word before any softcap), final-logit softcapping, dtype "
+        "casts and a vocab slice, so it cannot "
         "reproduce this model's loss exactly. Use patch_model(model, head=False), or open an issue with the "
         "model class."
     )
@@ -125,6 +137,10 @@ def _parse(func: Any, args: tuple, kwargs: dict, src: LogitsProbe) -> Chain:
             return chain.scaled(k)
         if k is not None and func in _DIV and k != 0:
             return chain.scaled(1.0 / k)
+    if func in _MUL and len(args) == 2 and not chain.tanh and chain.vocab_limit is None:
+        other = args[1] if isinstance(args[0], LogitsProbe) else args[0]
+        if _per_word(other, src.shape[-1]):  # the tensor itself (with its autograd history), not a copy
+            return replace(chain, column_scales=(*chain.column_scales, other))
     if func is aten.tanh.default and not chain.tanh and chain.vocab_limit is None:
         return replace(chain, tanh=True)
     if func in _VIEWS and args[1] and int(list(args[1])[-1]) == src.shape[-1]:

@@ -7,7 +7,7 @@ import torch
 from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head
 
 from memgrad_hf.grpo import add_fused_lm_head
-from tests.tiny_models import VOCAB, tiny_model
+from tests.tiny_models import VOCAB, tiny_model, with_word_scaled_head
 
 
 def _run(model, ids, labels, **kw):
@@ -80,11 +80,15 @@ def _objective(log_probs, entropy, mask):
     ("qwen3_next", {}),  # hybrid linear attention + MoE
     ("bert", {"is_decoder": True}),  # a head transform (dense + act + LayerNorm) between the backbone and lm_head
     ("granite", {}),  # logits divided by logits_scaling
+    ("gemma2", {"word_scaled_head": True}),  # a head module scaling each word's logit by a learned parameter
 ])
 def test_equals_the_models_own_logits(family, extra):
     # The head's input and the rewrites of the logits are observed in the model's own forward (no per-family table):
     # log-probs, entropies and every gradient equal those computed from the model's full logits.
+    extra = dict(extra)
+    scaled = extra.pop("word_scaled_head", False)
     model = tiny_model(family, **extra).train()
+    model = with_word_scaled_head(model) if scaled else model
     ref = copy.deepcopy(model)
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
     ids = torch.randint(1, VOCAB, (2, 10))

@@ -389,6 +389,17 @@ def test_forge_trains_titans_injected_model_like_adamw_torch(tmp_path):
     assert ga == pytest.approx(gb, rel=1e-4)
 
 
+def test_forge_with_a_traced_head_module_equals_adamw_torch(tmp_path):
+    # a head module with its own forward (a learned per-word logit scale) under patch_model: its effective weight
+    # goes through autograd, so its weight and scale are updated from their complete gradients by the hooks
+    from tests.tiny_models import with_word_scaled_head
+
+    model = memgrad_hf.patch_model(with_word_scaled_head(tiny_model("llama")), chunk_size=4)
+    (la, ga), (lb, gb) = _forge_vs_adamw(tmp_path, model, max_grad_norm=1.0)
+    assert la == pytest.approx(lb, rel=1e-5)
+    assert ga == pytest.approx(gb, rel=1e-4)
+
+
 @pytest.mark.slow  # ~30 s of compilation on a 2-core CPU
 def test_forge_with_trainer_torch_compile_equals_adamw_torch(tmp_path):
     (la, _), (lb, _) = _forge_vs_adamw(tmp_path, tiny_model("llama"), torch_compile=True)

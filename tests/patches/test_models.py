@@ -7,7 +7,7 @@ import torch
 
 import memgrad_hf
 from memgrad_hf.patches.quirks import epilogue_from_config
-from tests.tiny_models import FAMILIES, VOCAB, tiny_model
+from tests.tiny_models import FAMILIES, VOCAB, tiny_model, with_word_scaled_head
 
 
 def _loss_and_grads(model, ids, labels, seed=1, **kw):
@@ -81,4 +81,37 @@ def test_own_cross_entropy_refuses_what_it_cannot_reproduce():
     memgrad_hf.patch_model(model)
     ids = torch.randint(1, VOCAB, (2, 6))
     with head_label_smoothing(model, 0.1), pytest.raises(memgrad_hf.UnsupportedModelError, match="label_smoothing"):
+        model(input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("family,bias", [("llama", False), ("llama", True), ("gemma2", False)],
+                         ids=["llama", "llama_bias", "gemma2_softcap"])
+def test_head_module_with_its_own_forward_is_traced(family, bias):
+    # an nn.Linear subclass head that scales each word's logit by a learned parameter (then gemma2 softcaps): its
+    # forward runs on the probe, the per-word scale folds into the weight rows; loss and every gradient (the scale's
+    # included) equal the unpatched model's
+    model = with_word_scaled_head(tiny_model(family).train(), bias=bias)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(1, VOCAB, (2, 9))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    ref_out, ref_grads = _loss_and_grads(ref, ids, labels)
+    memgrad_hf.patch_model(model, chunk_size=4)
+    out, grads = _loss_and_grads(model, ids, labels)
+    assert out.logits is None and "lm_head.word_scale" in grads
+    _assert_same(out, grads, ref_out, ref_grads)
+    model.eval()  # evaluation runs the head module as it is
+    assert torch.equal(model(input_ids=ids).logits, ref.eval()(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("post,op", [
+    (lambda head, z: z + head.word_scale, "add"),  # a per-word bias after the linear
+    (lambda head, z: torch.tanh(z) * head.word_scale, "mul"),  # a per-word scale after a softcap
+    (lambda head, z: z * torch.ones_like(z), "ones_like"),  # a full [tokens x vocab] operand
+], ids=["per_word_bias", "scale_after_tanh", "full_tensor"])
+def test_head_module_ops_the_kernels_cannot_reproduce_are_refused(post, op):
+    model = with_word_scaled_head(tiny_model("llama").train(), post=post)
+    memgrad_hf.patch_model(model)
+    ids = torch.randint(1, VOCAB, (2, 6))
+    with pytest.raises(memgrad_hf.UnsupportedModelError, match=op):
         model(input_ids=ids, labels=ids)
