@@ -67,10 +67,14 @@ def check_head(dtype: torch.dtype, tol: float) -> None:
 
 def check_patched_model() -> None:
     import memgrad_hf
-    from tests.tiny_models import tiny_model
+    from tests.tiny_models import tiny_model, with_word_scaled_head
 
-    for family, tied in (("llama", False), ("gemma2", True), ("qwen3", False)):
-        model = tiny_model(family, tied=tied).to(DEV)
+    # "+word_scale": a head module with its own forward (a learned scale per word, folded into the weight rows)
+    for family, tied in (("llama", False), ("gemma2", True), ("qwen3", False), ("gemma2+word_scale", False)):
+        name = family
+        family, _, scaled = family.partition("+")
+        model = tiny_model(family, tied=tied)
+        model = (with_word_scaled_head(model) if scaled else model).to(DEV)
         ref = copy.deepcopy(model)
         memgrad_hf.patch_model(model, chunk_size=16)
         ids = torch.randint(3, 101, (2, 24), device=DEV)
@@ -81,7 +85,7 @@ def check_patched_model() -> None:
         rout.loss.backward()
         err = max([rel(out.loss, rout.loss)] + [rel(p.grad, q.grad) for p, q in
                                                 zip(model.parameters(), ref.parameters(), strict=True)])
-        report(f"patch_model {family} {'tied' if tied else 'untied'} loss + every gradient", err, 1e-5)
+        report(f"patch_model {name} {'tied' if tied else 'untied'} loss + every gradient", err, 1e-5)
 
 
 def check_forge_trainer() -> None:
