@@ -251,9 +251,10 @@ VISION_FAMILY: dict[str, dict[str, Any]] = {
 }
 
 
-def check(family: str, vision: bool = False) -> tuple[str, str]:
+def check(family: str, vision: bool = False, logprobs: bool = False) -> tuple[str, str]:
     """Text-only training forward of the tiny model, patched vs unpatched (``vision``: an image-text-to-text
-    model type)."""
+    model type). ``logprobs``: TRL's fused-head contract instead (:func:`memgrad_hf.grpo.add_fused_lm_head`):
+    per-token log-probs and every gradient of their sum against ``log_softmax`` of the model's own logits."""
     import memgrad_hf
 
     try:
@@ -272,18 +273,36 @@ def check(family: str, vision: bool = False) -> tuple[str, str]:
         r.loss.backward()
     except Exception as e:
         return "untested", f"unpatched model fails on the tiny config: {_why(e, 80)}"
-    try:
-        memgrad_hf.patch_model(model, chunk_size=4)
+    if logprobs:  # the reference is log_softmax of the unpatched model's logits, not its loss
+        ref.zero_grad(set_to_none=True)
+        mask = labels[:, 1:] != -100
         torch.manual_seed(1)
-        o = model(input_ids=ids, labels=labels)
-        o.loss.backward()
+        logits = ref(input_ids=ids).logits[:, :-1].float()
+        ref_lp = logits.log_softmax(-1).gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0] * mask
+        ref_lp.sum().backward()
+    try:
+        if logprobs:
+            from memgrad_hf.grpo import add_fused_lm_head
+
+            add_fused_lm_head(model, outputs=("log_probs",))
+            torch.manual_seed(1)
+            lp = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs * mask
+            lp.sum().backward()
+        else:
+            memgrad_hf.patch_model(model, chunk_size=4)
+            torch.manual_seed(1)
+            o = model(input_ids=ids, labels=labels)
+            o.loss.backward()
     except memgrad_hf.UnsupportedModelError as e:
         return "unsupported", str(e)[:110]
     except Exception as e:
         return "ERROR", f"{type(e).__name__}: {str(e)[:100]}"
     pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True) if q.grad is not None]
     scale = max(q.abs().max().item() for _, q in pairs)
-    same_loss = abs(o.loss.item() - r.loss.item()) <= 1e-5 * abs(r.loss.item())
+    if logprobs:
+        same_loss = (lp.detach() - ref_lp.detach()).abs().max().item() <= 1e-5 * ref_lp.detach().abs().max().item()
+    else:
+        same_loss = abs(o.loss.item() - r.loss.item()) <= 1e-5 * abs(r.loss.item())
     same_grads = all(
         p is not None and (p - q).abs().max().item() <= 1e-5 * q.abs().max().item() + 1e-6 * scale for p, q in pairs
     )
@@ -297,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=30, help="seconds per family")
     p.add_argument("--vision", action="store_true",
                    help="image-text-to-text (vision-language) model types instead, text-only forward")
+    p.add_argument("--logprobs", action="store_true",
+                   help="check memgrad_hf.grpo.add_fused_lm_head (TRL's fused-head contract: per-token log-probs "
+                        "and their gradients) instead of the patched training loss")
     a = p.parse_args(argv)
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -318,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     for fam in families:
         signal.alarm(a.timeout)
         try:
-            results[fam] = check(fam, a.vision)
+            results[fam] = check(fam, a.vision, a.logprobs)
         except _Timeout:
             results[fam] = ("untested", f"over {a.timeout}s")
         finally:
