@@ -262,6 +262,9 @@ def check(family: str, vision: bool = False, logprobs: bool = False) -> tuple[st
     except Exception as e:
         return "untested", f"tiny config: {_why(e, 90)}"
     ref = copy.deepcopy(model)
+    # a fresh copy for the log-probs reference: some models change state on their first call (big_bird switches
+    # its attention type), so the reference must be a first call as well
+    lp_ref = copy.deepcopy(model) if logprobs else None
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0] if head is not None else 101
     ids = torch.randint(3, min(vocab, 101), (2, 8))
@@ -274,7 +277,7 @@ def check(family: str, vision: bool = False, logprobs: bool = False) -> tuple[st
     except Exception as e:
         return "untested", f"unpatched model fails on the tiny config: {_why(e, 80)}"
     if logprobs:  # the reference is log_softmax of the unpatched model's logits, not its loss
-        ref.zero_grad(set_to_none=True)
+        ref = lp_ref
         mask = labels[:, 1:] != -100
         torch.manual_seed(1)
         logits = ref(input_ids=ids).logits[:, :-1].float()
