@@ -25,6 +25,23 @@ def test_bench_compat_reports_exact_for_known_families(capsys):
     assert "| prophetnet | unsupported |" in out  # selects from its logits: refused, never silently wrong
 
 
+def test_bench_compat_logprobs_checks_the_fused_head(capsys, monkeypatch):
+    # big_bird changes its attention type on its first call: the reference must be a first call too
+    rc = cli.main(["bench", "compat", "--logprobs", "llama", "big_bird", "prophetnet"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| llama | exact |" in out and "| big_bird | exact |" in out and "| prophetnet | unsupported |" in out
+    # the check can fail: a fused head at another temperature than the reference's is a mismatch
+    import functools
+
+    import memgrad_hf.grpo
+
+    monkeypatch.setattr(memgrad_hf.grpo, "add_fused_lm_head",
+                        functools.partial(memgrad_hf.grpo.add_fused_lm_head, temperature=0.9))
+    assert cli.main(["bench", "compat", "--logprobs", "llama"]) == 1
+    assert "| llama | MISMATCH |" in capsys.readouterr().out
+
+
 def test_bench_grpo_runs_through_the_cli(capsys):
     rc = cli.main(["bench", "grpo", "--completions", "2", "--length", "16", "--vocab", "512", "--hidden", "32",
                    "--repeats", "1"])
