@@ -694,8 +694,9 @@ class ForgeAdamW(ForgeOptimizer):
         clip: ``"exact"`` (the global norm is measured before any update) or ``"previous"`` (the previous step's
             norm).
         clip_pass: how ``clip="exact"`` measures the norm first: ``"replay"`` (one backward that measures the norm
-            and records each update, replayed at its end: the weight-gradient GEMMs run twice, and each linear
-            layer's ``dY`` is kept until the replay), ``"backward"`` (a norm-only backward, then the update
+            and records each update, replayed at its end: weight-gradient tiles, the chunked head's blocks
+            included, are kept for the replay where they fit under the peak memory so far, else formed twice; each
+            linear layer's ``dY`` is kept until the replay), ``"backward"`` (a norm-only backward, then the update
             backward: no extra memory, a second backward) or ``"auto"`` (default: replay, except under gradient
             checkpointing, where recording would keep the recomputed activations alive).
         state_dtype: ``None``/``"auto"`` (default: like ``torch.optim``, state in the weight's precision: fp32 for
