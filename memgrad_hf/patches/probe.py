@@ -93,9 +93,6 @@ class LogitsProbe(torch.Tensor):
         kwargs = kwargs or {}
         if func is F.cross_entropy and args and isinstance(args[0], LogitsProbe) and args[0]._cross_entropy:
             return args[0]._cross_entropy(*args, **kwargs)
-        # an nn.Parameter operand (e.g. a learned scale) is a plain tensor here: without this, neither subclass would
-        # handle ``probe * parameter`` (a TypeError instead of the op reaching __torch_dispatch__)
-        types = tuple(t for t in types if not issubclass(t, torch.nn.Parameter))
         return super().__torch_function__(func, types, args, kwargs)
 
     @classmethod

@@ -84,13 +84,15 @@ def test_own_cross_entropy_refuses_what_it_cannot_reproduce():
         model(input_ids=ids, labels=ids)
 
 
-@pytest.mark.parametrize("family,bias", [("llama", False), ("llama", True), ("gemma2", False)],
-                         ids=["llama", "llama_bias", "gemma2_softcap"])
-def test_head_module_with_its_own_forward_is_traced(family, bias):
+@pytest.mark.parametrize("family,bias,post", [
+    ("llama", False, None), ("llama", True, None), ("gemma2", False, None),
+    ("llama", False, lambda head, z: z * head.word_scale),  # a second scale, the bare Parameter as operand
+], ids=["llama", "llama_bias", "gemma2_softcap", "llama_two_scales"])
+def test_head_module_with_its_own_forward_is_traced(family, bias, post):
     # an nn.Linear subclass head that scales each word's logit by a learned parameter (then gemma2 softcaps): its
     # forward runs on the probe, the per-word scale folds into the weight rows; loss and every gradient (the scale's
     # included) equal the unpatched model's
-    model = with_word_scaled_head(tiny_model(family).train(), bias=bias)
+    model = with_word_scaled_head(tiny_model(family).train(), bias=bias, post=post)
     ref = copy.deepcopy(model)
     ids = torch.randint(1, VOCAB, (2, 9))
     labels = ids.clone()
