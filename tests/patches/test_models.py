@@ -29,10 +29,9 @@ def _assert_same(out, grads, ref_out, ref_grads, rtol=1e-5):
         assert err <= rtol * r.abs().max().item() + 1e-6 * scale, (name, err, r.abs().max().item())
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_family_loss_and_grads_match_unpatched(family, tied):
-    model = tiny_model(family, tied=tied).train()
+def _patched_equals_unpatched(model):
+    """Patch ``model`` (4-token chunks) after copying it; its training loss and every gradient must equal the
+    unpatched copy's. Returns ``(unpatched copy, input ids, patched output, patched gradients)``."""
     ref = copy.deepcopy(model)
     ids = torch.randint(1, VOCAB, (2, 9))
     labels = ids.clone()
@@ -40,8 +39,16 @@ def test_family_loss_and_grads_match_unpatched(family, tied):
     ref_out, ref_grads = _loss_and_grads(ref, ids, labels)
     memgrad_hf.patch_model(model, chunk_size=4)
     out, grads = _loss_and_grads(model, ids, labels)
-    assert out.logits is None  # no [tokens x vocab] tensor was built
     _assert_same(out, grads, ref_out, ref_grads)
+    return ref, ids, out, grads
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_loss_and_grads_match_unpatched(family, tied):
+    model = tiny_model(family, tied=tied).train()
+    _, _, out, _ = _patched_equals_unpatched(model)
+    assert out.logits is None  # no [tokens x vocab] tensor was built
     if tied:
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
@@ -93,15 +100,8 @@ def test_head_module_with_its_own_forward_is_traced(family, bias, post):
     # forward runs on the probe, the per-word scale folds into the weight rows; loss and every gradient (the scale's
     # included) equal the unpatched model's
     model = with_word_scaled_head(tiny_model(family).train(), bias=bias, post=post)
-    ref = copy.deepcopy(model)
-    ids = torch.randint(1, VOCAB, (2, 9))
-    labels = ids.clone()
-    labels[0, :3] = -100
-    ref_out, ref_grads = _loss_and_grads(ref, ids, labels)
-    memgrad_hf.patch_model(model, chunk_size=4)
-    out, grads = _loss_and_grads(model, ids, labels)
+    ref, ids, out, grads = _patched_equals_unpatched(model)
     assert out.logits is None and "lm_head.word_scale" in grads
-    _assert_same(out, grads, ref_out, ref_grads)
     model.eval()  # evaluation runs the head module as it is
     assert torch.equal(model(input_ids=ids).logits, ref.eval()(input_ids=ids).logits)
 
