@@ -117,6 +117,22 @@ def check_forge_trainer() -> None:
     report("forge_adamw vs adamw_torch: logged losses", lerr, 1e-5)
 
 
+def check_forge_headroom() -> None:
+    """FORGE's headroom (one allocator call, read per layer under exact clipping) equals what the public functions
+    say: peak minus allocated."""
+    from memgrad_hf.optim.forge import _headroom
+
+    if not DEV.startswith("cuda"):
+        return
+    dev = torch.device(DEV)
+    x = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+    del x  # the peak now exceeds what is held by at least 64 MiB
+    want = torch.cuda.max_memory_allocated(dev) - torch.cuda.memory_allocated(dev)
+    got = _headroom(dev)
+    report(f"forge headroom ({got} bytes) vs max_memory_allocated - memory_allocated ({want})",
+           abs(got - want) / max(want, 1), 0.0)
+
+
 def check_forge_low_precision_trainer() -> None:
     """bf16 model, FORGE's default (bf16 state; AdamW and Lion) and 8-bit state (with gradient accumulation), 4
     Trainer steps with clipping: the Triton kernels
@@ -233,7 +249,8 @@ def main() -> int:
     name = torch.cuda.get_device_name(0) if DEV.startswith("cuda") else "CPU"
     print(f"# {name}, torch {torch.__version__}", flush=True)
     checks = [lambda: check_head(torch.float32, 1e-5), lambda: check_head(torch.bfloat16, 2e-2), check_patched_model,
-              check_triton_head, check_forge_trainer, check_forge_low_precision_trainer, check_titans]
+              check_triton_head, check_forge_trainer, check_forge_headroom, check_forge_low_precision_trainer,
+              check_titans]
     for c in checks:
         try:
             c()

@@ -73,6 +73,14 @@ def test_bench_evaluate_runs_through_the_cli(capsys):
     assert len(rows) == 2 and abs(float(rows["stock"]) - float(rows["patched"])) < 1e-5, out  # same eval_loss
 
 
+def test_bench_forge_host_runs_through_the_cli(capsys):
+    rc = cli.main(["bench", "forge_host", "--layers", "4", "--steps", "2", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [line for line in out.splitlines() if line.startswith(("| adamw_torch_fused", "| forge_adamw"))]
+    assert len(rows) == 4 and "failed" not in out, out
+
+
 def test_bench_forge_runs_through_the_cli(capsys):
     rc = cli.main(["bench", "forge", "--hidden", "32", "--layers", "1", "--vocab", "256", "--batch", "1", "--seq",
                    "16", "--steps", "3", "--repeats", "1", "--configs", "adamw_torch", "forge_adamw+8bit_state+head"])

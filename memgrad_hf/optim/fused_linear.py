@@ -29,19 +29,22 @@ class ForgeLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor):
+        # runs once per layer and step; on a GPU at small batch the host's time per layer is the step's time, so
+        # no op that is a no-op here (a reshape of a 2-D tensor, a cast to the same dtype) is issued
         (x,) = ctx.saved_tensors
-        weight, bias, opt, dt = ctx.weight, ctx.bias, ctx.opt, ctx.dt
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
+        weight, bias, dt = ctx.weight, ctx.bias, ctx.dt
+        needs = ctx.needs_input_grad
         dx = None
-        if ctx.needs_input_grad[0]:  # before the weight changes
-            wc = weight if weight.dtype == dt else weight.to(dt)
-            dx = (dy2 @ wc).reshape(*dy.shape[:-1], weight.shape[1]).to(x.dtype)
+        if needs[0]:  # before the weight changes
+            dx = dy @ (weight if weight.dtype == dt else weight.to(dt))
+            if dx.dtype != x.dtype:
+                dx = dx.to(x.dtype)
+        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
         db = None
-        if bias is not None and ctx.needs_input_grad[2]:
+        if bias is not None and needs[2]:
             db = dy2.sum(0).to(bias.dtype)
-        if ctx.needs_input_grad[1]:
-            opt._linear_weight_backward(weight, dy2, x2)
+        if needs[1]:
+            ctx.opt._linear_weight_backward(weight, dy2, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))
         return dx, None, db, None, None
 
 

@@ -261,6 +261,30 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, extra):
         assert torch.equal(p, q), n
 
 
+def test_load_state_dict_into_the_same_optimizer_rewinds_exactly():
+    """An optimizer that has already stepped loads an earlier state (its own, saved) and the model's weights from
+    then: the next step repeats the original one bit for bit. The optimizer resolves each linear weight's update
+    once (its state tensors among it), so this fails if a load left it updating the replaced tensors."""
+    model = tiny_model("llama")
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, weight_decay=0.1)
+    ids = torch.randint(1, 100, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    saved_opt, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    after = [p.detach().clone() for p in model.parameters()]
+    model(input_ids=ids, labels=ids).loss.backward()  # one step further, then back
+    opt.step()
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    for (n, p), q in zip(model.named_parameters(), after, strict=True):
+        assert torch.equal(p, q), n
+    assert all(int(st["step"]) == 2 for st in opt.state.values())
+
+
 def test_second_trainer_on_same_model_takes_over(tmp_path):
     model = tiny_model("llama")
     _train(model, _args(tmp_path / "a", "forge_adamw", max_steps=2))
