@@ -15,7 +15,11 @@
 # `forge` (bitsandbytes 8-bit peer) and `head-profile`. GPU peak memory is now read in-process (no spawned process
 # per configuration), so the head / grpo / titans parts should take a fraction of the times above. Since 2026-11-25
 # `forge` also runs exact clipping with the chunked head (its dW blocks now kept for the replay when they fit under
-# the peak: on CPU 1.12x -> ~1.0x adamw_torch+head+clip).
+# the peak: on CPU 1.12x -> ~1.0x adamw_torch+head+clip). Since 2026-11-25 (second session) FORGE's Python per
+# linear layer is cut (CPU, kernels no-ops: +88-100 -> +25-27 µs over nn.Linear + fused AdamW, +223-241 -> +113-115
+# with exact clipping; the CUDA headroom read per layer under clipping is one allocator call instead of two Python
+# flattenings of ~140 statistics): `launch` now measures it on the GPU's host (benchmarks.forge_host), and `forge`'s
+# ~1B step times (last 1.22x adamw_torch_fused for forge_lion) should move by it.
 set -u
 out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [checks titans titans-layer head grpo forge forge-profile]}
 shift
@@ -38,8 +42,10 @@ for part in $parts; do
       python -m benchmarks.titans --device cuda --repeats 10 --layers --kernel-shapes 8x128x128x512 2>&1 \
       | tee "$out/titans-d128.md" ;;
     head-128k) python -m benchmarks.head --device cuda --repeats 10 --vocab 128256 2>&1 | tee "$out/head-128k.md" ;;
-    launch)  # host µs per launch: Triton (empty, and memgrad's kernels at tiny sizes) against torch ops (~10 s)
-      python -m benchmarks.launch_overhead 2>&1 | tee "$out/launch.md" ;;
+    launch)  # host µs per launch: Triton (empty, and memgrad's kernels at tiny sizes) against torch ops (~10 s);
+      # FORGE's Python per linear layer and step, its kernels no-ops, against nn.Linear + fused AdamW (~20 s)
+      { python -m benchmarks.launch_overhead
+        python -m benchmarks.forge_host --device cuda; } 2>&1 | tee "$out/launch.md" ;;
     head) python -m benchmarks.head --device cuda --repeats 10 2>&1 | tee "$out/head.md" ;;
     grpo) { python -m benchmarks.grpo --device cuda --repeats 10
         python -m benchmarks.grpo --device cuda --repeats 5 --peers trl memgrad --outputs sft; } 2>&1 \
@@ -72,7 +78,8 @@ for part in $parts; do
         --seq 1024 --steps 6 --repeats 1 --configs adamw_torch_fused+compile forge_lion+compile forge_lion+split+compile 2>&1 \
         | tee "$out/forge-compile.md" ;;
     forge-host)  # host time per FORGE layer vs device time, and a cProfile of one step (is a step host-bound?)
-      { python -m benchmarks.forge_launch --sweep
+      { python -m benchmarks.forge_host --device cuda
+        python -m benchmarks.forge_launch --sweep
         python -m benchmarks.forge_launch --out 256 --in 256 --tokens 64  # device time ~nil: the host cost alone
         python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
           --seq 1024 --steps 4 --repeats 1 --host-profile --configs adamw_torch_fused forge_lion; } 2>&1 \

@@ -528,8 +528,8 @@ class ForgeOptimizer(Optimizer):
 
     def _linear_plan(self, weight: Tensor) -> _LinearPlan:
         """What a linear weight's update needs besides its inputs, worked out once: on a GPU at small batch the host's
-        time per layer is the step's time (~70 µs of Python per layer here before, ~15 now). Rebuilt when
-        ``MEMGRAD_BACKEND`` changes; dropped by :meth:`load_state_dict` (new state tensors)."""
+        time per layer is the step's time (``python -m benchmarks.forge_host``). Rebuilt when ``MEMGRAD_BACKEND``
+        changes; dropped by :meth:`load_state_dict` (new state tensors)."""
         forced = _forced_backend()
         plan = self._plans.get(weight)
         if plan is not None and plan.forced == forced and plan.contiguous == weight.is_contiguous():
