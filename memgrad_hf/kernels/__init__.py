@@ -29,8 +29,16 @@ def backend(device: torch.device | str | None = None, forced: str | None = None)
         if forced not in _BACKENDS:
             raise ValueError(f"MEMGRAD_BACKEND={forced!r} is not one of {_BACKENDS}; unset it or pick one.")
         return forced
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    return "triton" if dev.type == "cuda" and triton_available() else "torch"
+    kind = _device_kind(device)
+    return "triton" if kind == "cuda" and triton_available() else "torch"
+
+
+def _device_kind(device: torch.device | str | None) -> str:
+    """``device``'s type (``"cpu"`` for None), with no ``torch.device`` built where one is given: this runs per
+    layer and step."""
+    if isinstance(device, torch.device):
+        return device.type
+    return torch.device(device).type if device is not None else "cpu"
 
 
 @functools.cache
@@ -81,7 +89,7 @@ def default_backend(family: str, device: torch.device | str | None = None) -> st
     chosen = backend(device, forced)
     if chosen != "triton" or forced == "triton":
         return chosen
-    kind = torch.device(device).type if device is not None else "cpu"
+    kind = _device_kind(device)
     if (family, kind) not in _TRITON_RUNS:
         try:
             with torch.no_grad(), torch.autocast(kind, enabled=False):  # whatever context the first call is in

@@ -216,7 +216,10 @@ def dequantize_8bit(codes: Tensor, scale: Tensor) -> Tensor:
 
 
 def state_slice(st: dict[str, Tensor], names: tuple[str, ...], r0: int, r1: int) -> dict[str, Tensor]:
-    """Rows ``r0:r1`` of the state tensors ``names`` (and of their 8-bit scales, if any)."""
+    """Rows ``r0:r1`` of the state tensors ``names`` (and of their 8-bit scales, if any); the tensors themselves
+    where the rows are all of them (one update per small weight: no slicing op per tensor on the host)."""
+    if names and r0 == 0 and r1 == st[names[0]].shape[0]:
+        return {k: st[k] for k in (*names, *(n + ".scale" for n in names)) if k in st}
     out = {n: st[n][r0:r1] for n in names}
     out.update({n + ".scale": st[n + ".scale"][r0:r1] for n in names if n + ".scale" in st})
     return out
@@ -448,7 +451,7 @@ def linear_weight_tiles(
     out_features = dy.shape[1]
     for r0 in range(0, out_features, rows_per_tile):
         r1 = min(r0 + rows_per_tile, out_features)
-        tile = dy[:, r0:r1].t() @ x
+        tile = (dy if r1 - r0 == out_features else dy[:, r0:r1]).t() @ x
         if dtype is not None and tile.dtype != dtype:
             tile = tile.to(dtype)
         if accumulated is not None:

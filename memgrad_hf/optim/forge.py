@@ -578,8 +578,9 @@ class ForgeOptimizer(Optimizer):
         if self._mode == "skip":
             return
         names = K.RULES[self.rule][1]
-        self._update(weight, weight.data[r0:r1], g, K.state_slice(blk["st"], names, r0, r1), blk["hp"], blk["step"],
-                     blk["coef"], blk["seed"], r0 * weight[0].numel())
+        whole = r0 == 0 and r1 == weight.shape[0]  # (a slice is a dispatch per tensor: skipped where it is the whole)
+        self._update(weight, weight.data if whole else weight.data[r0:r1], g, K.state_slice(blk["st"], names, r0, r1),
+                     blk["hp"], blk["step"], blk["coef"], blk["seed"], r0 * math.prod(weight.shape[1:]))
 
     def _embedding_weight_backward(self, weight: Tensor, ids: Tensor, dy: Tensor, padding_idx: int | None) -> None:
         """Called from the fused embedding's backward: the dense gradient is built and applied per row block."""
