@@ -78,6 +78,17 @@ class _LinearPlan(NamedTuple):
     position: int  # the parameter's position: its rounding-noise seeds
 
 
+def _rule_state(st: dict[str, Any]) -> dict[str, Tensor]:
+    """A parameter's optimizer state without its step count: what the update kernels take."""
+    return {k: v for k, v in st.items() if k != "step"}
+
+
+def _noise_seed(position: int, step: int) -> int:
+    """The rounding-noise seed of a parameter's update: a function of (parameter position, step) only, so that a
+    resumed run rounds as the uninterrupted one did."""
+    return (position * 1_000_003 + step * 1_009) & 0x7FFFFFFF
+
+
 def _next_step(st: dict[str, Any]) -> int:
     """Advance a parameter's step count (a CPU tensor, as torch.optim keeps it) and return it: ``fill_`` with the
     next integer costs a quarter of ``+= 1`` (~1 against ~4 µs here; this runs per layer and step)."""
@@ -427,9 +438,7 @@ class ForgeOptimizer(Optimizer):
         hp, st = self._hp(p), self._state(p)
         coef = self._clip_coef()
         step = _next_step(st)
-        # reproducible rounding noise: a function of (parameter, step) only, so resumed runs match
-        seed = (self._group_index_pos[p] * 1_000_003 + step * 1_009) & 0x7FFFFFFF
-        self._update(p, p.data, g, {k: v for k, v in st.items() if k != "step"}, hp, step, coef, seed, 0)
+        self._update(p, p.data, g, _rule_state(st), hp, step, coef, _noise_seed(self._group_index_pos[p], step), 0)
 
     def _update(self, p: Tensor, target: Tensor, g: Tensor, st: dict[str, Tensor], hp: dict[str, Any], step: int,
                 coef: float, seed: int, offset: int) -> None:
@@ -514,7 +523,7 @@ class ForgeOptimizer(Optimizer):
             dy = dy * coef
             acc = None if acc is None else acc * coef
         sums = self._sums(weight.device)
-        seed = (plan.position * 1_000_003 + step * 1_009) & 0x7FFFFFFF
+        seed = _noise_seed(plan.position, step)
         # backward runs without grad mode (unless create_graph): entering no_grad per layer costs ~2 µs of host time
         with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT:
             norm_sq, bad = plan.impl(
@@ -537,7 +546,7 @@ class ForgeOptimizer(Optimizer):
         st = self._state(weight)
         plan = _LinearPlan(
             forced=forced, contiguous=weight.is_contiguous(), state=st,
-            rule_state={k: v for k, v in st.items() if k != "step"},
+            rule_state=_rule_state(st),
             rows=self._linear_rows(weight), impl=self._weight_step_impl(weight),
             position=self._group_index_pos[weight],
         )
@@ -561,7 +570,7 @@ class ForgeOptimizer(Optimizer):
         if self._mode == "apply":
             st = self._state(weight)
             blk.update(step=_next_step(st), coef=self._clip_coef(), st=st, hp=self._hp(weight))
-            blk["seed"] = (self._group_index_pos[weight] * 1_000_003 + blk["step"] * 1_009) & 0x7FFFFFFF
+            blk["seed"] = _noise_seed(self._group_index_pos[weight], blk["step"])
         return blk
 
     def _apply_block(self, weight: Tensor, blk: dict[str, Any] | None, r0: int, r1: int, g: Tensor) -> None:
