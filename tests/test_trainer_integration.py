@@ -137,3 +137,17 @@ def test_trainer_bf16_autocast_close_to_stock(tmp_path):
         t.train()
         losses.append([h["loss"] for h in t.state.log_history if "loss" in h])
     assert losses[0] == pytest.approx(losses[1], rel=2e-3)
+
+
+def test_liger_fused_cross_entropy_on_a_patched_model_is_refused_before_the_first_step(tmp_path):
+    # Trainer(use_liger_kernel=True) replaces the model's forward at train(): the chunked head would silently stop
+    # running. (Set after construction: liger-kernel itself is not a test dependency.)
+    model = memgrad_hf.patch_model(tiny_model("llama"))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none", use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=_data())
+    batch = {"input_ids": torch.tensor([_data()[0]["input_ids"]]), "labels": torch.tensor([_data()[0]["labels"]])}
+    trainer.args.use_liger_kernel = True
+    with pytest.raises(ValueError, match="fused_linear_cross_entropy"):
+        trainer.compute_loss(model, batch)
+    trainer.args.liger_kernel_config = {"fused_linear_cross_entropy": False}  # Liger's other kernels: allowed
+    assert torch.isfinite(trainer.compute_loss(model, batch))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from memgrad_hf.functional import linear_cross_entropy
 from memgrad_hf.patches.probe import Chain, LogitsProbe
 
 _ATTR = "_memgrad_head"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,6 +50,8 @@ class HeadPatch:
     weight_consumer_factory: Any = None
     # Set for one Trainer loss (label_smoothing_factor > 0; see memgrad_hf.patches.trainer): the ε of the loss
     label_smoothing: float = 0.0
+    # False after unpatch_model found the forward wrapped by something installed later (see unpatch_head)
+    active: bool = True
 
 
 # ------------------------------------------------------------------------------------------ head resolution
@@ -131,6 +135,21 @@ class _Capture:
     linear: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
+def _to_head_device(head: nn.Module, x: torch.Tensor, owner: str) -> torch.Tensor:
+    """``x`` on the device of the head's weight. Under accelerate's ``device_map`` the head may sit on another device
+    than the last decoder layer, and the hook that moves its input there wraps the ``forward`` the probe replaces."""
+    w = next(head.parameters(), None)
+    if w is None or w.device == x.device:
+        return x
+    if w.device.type == "meta":
+        raise UnsupportedModelError(
+            f"{owner}'s LM head weight is offloaded (on the meta device between calls, as accelerate's cpu/disk "
+            "offload in device_map leaves it); the chunked head needs it resident through backward. Keep lm_head on an "
+            "accelerator in device_map, or use patch_model(model, head=False)."
+        )
+    return x.to(w.device)
+
+
 def _traced(head: nn.Module) -> bool:
     """An ``nn.Linear`` subclass with a forward of its own (e.g. a learned per-word logit scale after its linear):
     its forward runs, with its ``F.linear`` on the head input answered by the probe, so that what it does to the
@@ -189,7 +208,7 @@ def capture_head_input(model: nn.Module, patch: HeadPatch | None = None):
             raise UnsupportedModelError(
                 f"{owner} calls its LM head more than once per forward; memgrad_hf cannot chunk it exactly."
             )
-        cap.hidden = x
+        cap.hidden = x = _to_head_device(head, x, owner)
         if not _traced(head):
             return probe(x)
         with _LinearToProbe(x, cap, probe):
@@ -379,6 +398,8 @@ def _strip_probes(out: Any) -> Any:
 def _patched_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     patch: HeadPatch = getattr(self, _ATTR)
     skip_logits = kwargs.pop("skip_logits", None)
+    if not patch.active:
+        return patch.original(*args, **kwargs)
     labels = kwargs.get("labels")
     if labels is None and args:
         labels = patch.signature.bind_partial(*args, **kwargs).arguments.get("labels")
@@ -440,9 +461,15 @@ def patch_head(model: nn.Module, *, chunk_size: int | None = None, accum_dtype: 
     if accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"accum_dtype must be None, torch.float32 or the weight dtype; got {accum_dtype!r}.")
     existing: HeadPatch | None = getattr(model, _ATTR, None)
-    if existing is not None:  # patching twice only updates the options
-        existing.chunk_size, existing.accum_dtype = chunk_size, accum_dtype
+    if existing is not None:  # patching twice only updates the options (and undoes a deferred unpatch)
+        existing.chunk_size, existing.accum_dtype, existing.active = chunk_size, accum_dtype, True
         return
+    if is_fused_head_forward(model.__dict__.get("forward")):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}.forward is already a fused LM head (installed by a TRL trainer, or by "
+            "add_fused_lm_head): memgrad's head cannot be put under it. Call memgrad_hf.patch_model(model) before "
+            "building the TRL trainer (or memgrad_hf.grpo.patch_trl() before it), as in the recipes."
+        )
     validate(model)
     had = "forward" in model.__dict__
     original = model.forward
@@ -455,13 +482,31 @@ def patch_head(model: nn.Module, *, chunk_size: int | None = None, accum_dtype: 
         return _patched_forward(self, *args, **kwargs)
 
     functools.update_wrapper(forward, type(model).forward)
+    forward._memgrad_head = True  # type: ignore[attr-defined]
     model.forward = types.MethodType(forward, model)
+
+
+def is_fused_head_forward(fwd: Any) -> bool:
+    """Whether ``fwd`` (an instance ``forward``) is a fused LM head, TRL's ``add_fused_lm_head`` or memgrad's: both
+    take the ``fused_lm_head`` keyword of TRL's call contract (and both carry the class forward's name)."""
+    code = getattr(getattr(fwd, "__func__", fwd), "__code__", None)
+    return code is not None and "fused_lm_head" in code.co_varnames
 
 
 def unpatch_head(model: nn.Module) -> bool:
     patch: HeadPatch | None = getattr(model, _ATTR, None)
     if patch is None:
         return False
+    current = model.__dict__.get("forward")
+    if not getattr(getattr(current, "__func__", None), "_memgrad_head", False):
+        # Installed later on top of memgrad's forward (a TRL trainer's fused head, Liger's forward): removing memgrad's
+        # would discard it, so memgrad's layer stays and passes every call through unchanged.
+        patch.active = False
+        logger.warning(
+            "unpatch_model: %s.forward was replaced after patch_model (%s); memgrad's chunked head now passes every "
+            "call through to the original forward, and the later forward is kept.",
+            type(model).__name__, getattr(current, "__qualname__", type(current).__name__))
+        return True
     if patch.had_instance_forward:
         model.forward = patch.original
     else:
@@ -482,7 +527,8 @@ def set_head_weight_consumer(model: nn.Module, factory: Any) -> bool:
 
 
 def is_head_patched(model: nn.Module) -> bool:
-    return getattr(model, _ATTR, None) is not None
+    patch: HeadPatch | None = getattr(model, _ATTR, None)
+    return patch is not None and patch.active
 
 
 @contextmanager

@@ -35,6 +35,26 @@ def _patched_causal_lm(trainer: Any, model: nn.Module) -> nn.Module | None:
     return target
 
 
+def _refuse_liger_head(trainer: Any, model: nn.Module) -> None:
+    """``use_liger_kernel=True`` with Liger's fused linear cross-entropy (its default) replaces a patched model's
+    ``forward`` at ``train()``: memgrad's chunked head (and a FORGE optimizer's hand-over of the head gradient) would
+    silently stop running. Refused before the first step."""
+    from memgrad_hf.patches import _causal_lm
+    from memgrad_hf.patches.head import is_head_patched
+
+    config = getattr(trainer.args, "liger_kernel_config", None) or {}
+    if not config.get("fused_linear_cross_entropy", True):
+        return
+    target = _causal_lm(trainer.accelerator.unwrap_model(model))
+    if is_head_patched(target):
+        raise ValueError(
+            f"use_liger_kernel=True replaces {type(target).__name__}.forward with Liger's fused linear cross-entropy, "
+            "which discards memgrad_hf's chunked head on this patch_model()ed model. Use one of them: drop "
+            "use_liger_kernel, or keep Liger's other kernels with liger_kernel_config={'fused_linear_cross_entropy': "
+            "False}, or patch_model(model, head=False)."
+        )
+
+
 def hook_trainer_compute_loss() -> None:
     """Idempotent; called by ``import memgrad_hf``."""
     from transformers import Trainer
@@ -46,6 +66,8 @@ def hook_trainer_compute_loss() -> None:
 
     @functools.wraps(original)
     def compute_loss(self: Any, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if getattr(self.args, "use_liger_kernel", False):
+            _refuse_liger_head(self, model)
         training = model.training and torch.is_grad_enabled()
         loss_only = not model.training and getattr(self, "_memgrad_loss_only", False)
         target = None

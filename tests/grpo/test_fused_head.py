@@ -155,3 +155,36 @@ def test_vision_language_model_with_an_image():
         got = model(input_ids=ids, pixel_values=pixels, labels=labels, fused_lm_head=True)
     assert torch.equal(got.label_mask, mask)
     assert torch.allclose(got.log_probs, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("install", [trl_add_fused_lm_head, add_fused_lm_head], ids=["trl", "memgrad"])
+def test_patch_model_under_an_installed_fused_head_is_refused_with_the_fix(install):
+    # a TRL trainer built before patch_model has put its fused head on model.forward; memgrad's head cannot go under it
+    import memgrad_hf
+    from memgrad_hf import UnsupportedModelError
+
+    model = tiny_model("llama").train()
+    install(model)
+    with pytest.raises(UnsupportedModelError, match="before building the TRL trainer"):
+        memgrad_hf.patch_model(model)
+
+
+def test_unpatch_model_under_a_later_fused_head_keeps_it_and_restores_stock_behaviour():
+    import memgrad_hf
+    from memgrad_hf.patches import is_head_patched
+
+    model = tiny_model("llama").train()
+    ref = copy.deepcopy(model)
+    memgrad_hf.patch_model(model)
+    add_fused_lm_head(model)  # what a TRL trainer does to a patch_model()ed model
+    add_fused_lm_head(ref)
+    memgrad_hf.unpatch_model(model)
+    assert not is_head_patched(model)
+    ids = torch.randint(1, VOCAB, (2, 9))
+    got, want = model(input_ids=ids, labels=ids, fused_lm_head=True), ref(input_ids=ids, labels=ids, fused_lm_head=True)
+    torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=0)
+    plain, stock = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    assert plain.logits is not None  # the chunked head no longer runs
+    torch.testing.assert_close(plain.loss, stock.loss, rtol=0, atol=0)
+    memgrad_hf.patch_model(model)  # and can be patched again
+    assert is_head_patched(model) and model(input_ids=ids, labels=ids).logits is None

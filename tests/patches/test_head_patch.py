@@ -291,3 +291,16 @@ def test_torch_compile_of_patched_model_matches():
     assert torch.allclose(out.loss, ref_out.loss, rtol=1e-5)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_an_offloaded_head_is_refused_with_the_fix():
+    # accelerate's cpu/disk offload (device_map) leaves the weight on "meta" between calls; its pre-forward hook, which
+    # loads it, wraps the forward the probe replaces
+    from accelerate import cpu_offload
+
+    model = tiny_model("llama").train()
+    cpu_offload(model.lm_head, execution_device=torch.device("cpu"))
+    memgrad_hf.patch_model(model)
+    ids, labels = _batch()
+    with pytest.raises(UnsupportedModelError, match="offloaded.*device_map"):
+        model(input_ids=ids, labels=labels)
