@@ -1,7 +1,10 @@
-"""``ForgeLogCallback``: the Trainer logs the real gradient norm and skip count of a FORGE optimizer.
+"""``ForgeLogCallback``: the Trainer logs the real gradient norm and skip count of a FORGE optimizer, and the optimizer
+is attached to the model only while ``train()`` runs.
 
 With FORGE no ``.grad`` is left when the Trainer measures the norm, so it would log 0; this callback, added to
 every Trainer by ``import memgrad_hf`` (a no-op for other optimizers), replaces it with the norm FORGE measured.
+When training ends it detaches the optimizer (the model back-propagates normally again: another optimizer, a
+saliency map, a Fisher estimate all see ``.grad``); a new ``train()`` of the same Trainer attaches it again.
 """
 
 from __future__ import annotations
@@ -19,7 +22,18 @@ def _forge(optimizer: Any) -> Any:
 
 
 class ForgeLogCallback(TrainerCallback):
-    """Puts ``grad_norm`` (pre-clipping global norm) and ``forge_skipped_steps`` into the Trainer's logs."""
+    """Puts ``grad_norm`` (pre-clipping global norm) and ``forge_skipped_steps`` into the Trainer's logs; attaches
+    the FORGE optimizer to the model for the time of ``train()``."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        opt = _forge(optimizer)
+        if opt is not None:
+            opt.attach()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        opt = _forge(optimizer)
+        if opt is not None:
+            opt.detach()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, optimizer: Any = None,
                **kwargs: Any) -> None:

@@ -118,6 +118,7 @@ class _ClipRoot(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor):
         opt = ctx.opt
+        opt._hook_new()  # parameters unfrozen since: their gradient must enter this norm
         task = torch._C._current_graph_task_id()
         if opt._is_sync() and not opt._measuring(task):
             if opt._replays_clip():
@@ -149,6 +150,7 @@ class ForgeOptimizer(Optimizer):
         head_grad: str = "auto",
         kernel: str = "auto",
         clip_pass: str = "auto",
+        **torch_options: Any,
     ) -> None:
         # The Trainer passes the model as forge_model; its losses reach backward through accelerate's
         # Accelerator.backward, where exact clipping hooks in (any loss: the model's, GRPO's, a compute_loss_func's)
@@ -172,13 +174,10 @@ class ForgeOptimizer(Optimizer):
                 "backward, e.g. ForgeAdamW(model.parameters(), model=model, lr=1e-4)."
             )
         _refuse_distributed(model)
+        _check_torch_options(type(self).__name__, torch_options)
         state_dtype = _parse_dtype(state_dtype)
         super().__init__(params, defaults)
         _note_low_precision_weights(self.param_groups, state_dtype)
-        previous = getattr(model, "_memgrad_forge_optimizer", None)
-        if previous is not None and previous() is not None:
-            previous().detach()  # a new optimizer (e.g. a second Trainer) takes over the model's hooks and swaps
-        model._memgrad_forge_optimizer = weakref.ref(self)
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
         self.clip = clip
@@ -206,6 +205,32 @@ class ForgeOptimizer(Optimizer):
         self._group_index = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_index_pos = {p: k for k, p in enumerate(self._group_index)}
         self._plans: dict[Tensor, _LinearPlan] = {}
+        # A weight whose gradient has several parts in one backward (a layer called twice, two forwards before one
+        # backward, a use outside its layer): its parts are summed by autograd and applied once, by the hook
+        self._shared: set[Tensor] = set()
+        self._last_use: dict[Tensor, Any] = {}  # fused weight -> weakref to its latest autograd node (_note_use)
+        self._applied: set[Tensor] = set()  # updated since the last step(): a second update there is warned about
+        self._warned_twice = False
+        self._swapped: list[nn.Module] = []
+        self._hooks: list[Any] = []
+        self._wrapped_forward = False
+        self._norm_pass_seen = False
+        self._attached = False
+        self._unhooked: list[Tensor] = []
+        self.attach()
+
+    def attach(self) -> None:
+        """Fuse the update into the model's layers (done by the constructor): swap the forward of its plain
+        ``nn.Linear`` / ``nn.Embedding`` layers and hook every other trainable parameter. Undone by :meth:`detach`;
+        the Trainer detaches when ``train()`` ends and attaches again when it starts, so that the model trains (and
+        back-propagates) normally in between, e.g. under another optimizer."""
+        if self._attached:
+            return
+        model = self.model
+        previous = getattr(model, "_memgrad_forge_optimizer", None)
+        if previous is not None and previous() is not None and previous() is not self:
+            previous().detach()  # one FORGE optimizer per model at a time (e.g. a second Trainer takes over)
+        model._memgrad_forge_optimizer = weakref.ref(self)
         counts: dict[int, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
             counts[id(p)] = counts.get(id(p), 0) + 1
@@ -214,14 +239,15 @@ class ForgeOptimizer(Optimizer):
         self._fused = {m.weight for m in self._swapped}  # nn.Linear and nn.Embedding weights
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._group_index
                        if p.requires_grad]
+        self._hooked = {p for p in self._group_index if p.requires_grad}
+        self._unhooked = [p for p in self._group_index if not p.requires_grad]  # (see _hook_new)
+        self._attached = True
         # A chunked LM head hands its weight gradient over in vocabulary blocks instead of building it.
         from memgrad_hf.patches.head import set_head_weight_consumer
 
         set_head_weight_consumer(model, self._head_weight_consumer)
-        self._wrapped_forward = False
         if self.needs_norm_pass and not self._trainer_managed:
             self._wrap_model_forward()
-        self._norm_pass_seen = False
 
     # ------------------------------------------------------------------------------------------- plumbing
 
@@ -304,7 +330,9 @@ class ForgeOptimizer(Optimizer):
         return out
 
     def detach(self) -> None:
-        """Undo the model changes (linear swaps, hooks, forward wrapper). The optimizer is unusable afterwards."""
+        """Undo the model changes (linear swaps, hooks, forward wrapper): the model back-propagates normally again
+        (gradients in ``.grad``) and this optimizer no longer updates it; its state is kept, and :meth:`attach`
+        resumes. Call it when your own training loop ends."""
         from memgrad_hf.patches.head import set_head_weight_consumer
 
         set_head_weight_consumer(self.model, None)
@@ -315,7 +343,9 @@ class ForgeOptimizer(Optimizer):
             self.model.__dict__.pop("forward", None)
             if self._had_instance_forward:
                 self.model.forward = self._original_forward
-        self._swapped, self._hooks = [], []
+            self._wrapped_forward = False
+        self._swapped, self._hooks, self._fused, self._hooked, self._unhooked = [], [], set(), set(), []
+        self._attached = False
         if getattr(self.model, "_memgrad_forge_optimizer", lambda: None)() is self:
             del self.model._memgrad_forge_optimizer
 
@@ -437,6 +467,7 @@ class ForgeOptimizer(Optimizer):
         """Update a hooked (non-fused) parameter from its complete gradient, then the gradient is dropped."""
         hp, st = self._hp(p), self._state(p)
         coef = self._clip_coef()
+        self._note_update(p)
         step = _next_step(st)
         self._update(p, p.data, g, _rule_state(st), hp, step, coef, _noise_seed(self._group_index_pos[p], step), 0)
 
@@ -516,9 +547,10 @@ class ForgeOptimizer(Optimizer):
         acc, weight.grad = weight.grad, None
         if self._mode == "skip":
             return
+        coef = self._clip_coef()  # (first: when it raises, no step count has moved)
         plan = self._linear_plan(weight)
+        self._note_update(weight)
         step = _next_step(plan.state)
-        coef = self._clip_coef()
         if coef != 1.0:  # dW is linear in dY: clip by scaling dY (and the accumulated part)
             dy = dy * coef
             acc = None if acc is None else acc * coef
@@ -568,8 +600,9 @@ class ForgeOptimizer(Optimizer):
         blk: dict[str, Any] = {"acc": weight.grad}  # gradient accumulated over earlier micro-batches, if any
         weight.grad = None
         if self._mode == "apply":
-            st = self._state(weight)
-            blk.update(step=_next_step(st), coef=self._clip_coef(), st=st, hp=self._hp(weight))
+            coef, st = self._clip_coef(), self._state(weight)
+            self._note_update(weight)
+            blk.update(step=_next_step(st), coef=coef, st=st, hp=self._hp(weight))
             blk["seed"] = _noise_seed(self._group_index_pos[weight], blk["step"])
         return blk
 
@@ -654,6 +687,61 @@ class ForgeOptimizer(Optimizer):
             return forge_triton.linear_weight_step_split if split else forge_triton.linear_weight_step
         return K.linear_weight_step
 
+    def _note_use(self, weight: Tensor, node: Any) -> None:
+        """A fused layer's forward built autograd ``node``. If the weight's previous node has not run its backward
+        yet (the layer called twice, or two forwards before one backward), its gradient has several parts: from now
+        on they are summed by autograd and applied once (``_shared``). Recomputations inside a backward (gradient
+        checkpointing) are not uses."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        prev = self._last_use.get(weight)
+        if prev is not None and weight not in self._shared:
+            pending = prev()
+            if pending is not None and not getattr(pending, "done", False):
+                self._mark_shared(weight, "is used more than once before one backward (a layer called twice, or "
+                                          "two forwards and one loss)")
+        self._last_use[weight] = weakref.ref(node)
+
+    def _mark_shared(self, weight: Tensor, why: str) -> None:
+        self._shared.add(weight)
+        name = next((n for n, q in self.model.named_parameters() if q is weight), "a weight")
+        log.warning("forge: %s %s: its gradient is summed by autograd and then applied once, as torch.optim does (its "
+                    "weight gradient exists in full for that moment).", name, why)
+
+    def _note_update(self, p: Tensor) -> None:
+        """Warn once when a parameter is updated twice between two step() calls (each backward applies an update)."""
+        if p not in self._applied:
+            self._applied.add(p)
+        elif not self._warned_twice:
+            self._warned_twice = True
+            log.warning(
+                "forge: a second backward before optimizer.step() updated the weights again: with FORGE every "
+                "backward applies the update. For gradient accumulation in your own loop set optimizer.sync = False "
+                "before the backward of every micro-batch but the last (the Trainer does this itself).")
+
+    def _hook_new(self) -> None:
+        """Parameters of the groups that did not require grad when the hooks were set (unfrozen since, or added by
+        add_param_group): hook those that do now (the hook path; their layers are not fused)."""
+        if not self._unhooked:
+            return
+        for p in self._unhooked:
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._hooked.add(p)
+        self._unhooked = [p for p in self._unhooked if p not in self._hooked]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim``'s; the added parameters are updated by the hook path (their layers are not fused)."""
+        super().add_param_group(param_group)
+        if not hasattr(self, "_group_index"):  # (the constructor's own groups)
+            return
+        for p in self.param_groups[-1]["params"]:
+            self._group_index[p] = len(self.param_groups) - 1
+            self._group_index_pos[p] = len(self._group_index_pos)
+            if self._attached:
+                self._unhooked.append(p)
+        self._hook_new()
+
     def _accumulated(self, p: Tensor) -> Tensor | None:
         """In the norm pass: the gradient ``p`` accumulated over earlier micro-batches, the first time it is asked
         for (then None: it is counted once)."""
@@ -665,6 +753,11 @@ class ForgeOptimizer(Optimizer):
     def _on_grad(self, p: Tensor) -> None:
         if p.grad is None or not self._is_sync():  # fused weights reach here with no gradient: nothing to do
             return
+        if p in self._fused and p not in self._shared:
+            # a gradient from a use outside the layer, which arrives after the layer's own fused update: this step
+            # applies the two separately; from the next step on the parts are summed first (exact)
+            self._mark_shared(p, "is also used outside its layer (e.g. a penalty on the weight in the loss); this "
+                                 "step applied that part of its gradient as a separate update")
         if self._mode == "norm":
             acc = self._accumulated(p)
             self._measure(p.grad if acc is None else p.grad + acc)
@@ -685,6 +778,14 @@ class ForgeOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        late = [p for p in self._unhooked if p.grad is not None]
+        if late and self._is_sync():  # trainable since the hooks were set: their gradient waited in .grad
+            for p in late:
+                g, p.grad = p.grad, None
+                if self._mode != "skip":
+                    self._apply(p, g)
+            self._hook_new()
+        self._applied.clear()
         now, bad = 0.0, 0
         for norm_sq, skipped in self._step_sums.values():  # one host read per device and step
             now, bad = now + float(norm_sq), bad + int(skipped)
@@ -897,6 +998,22 @@ def _refuse_distributed(model: nn.Module) -> None:
         raise ValueError(
             "FORGE optimizers do not support distributed training yet (DDP/FSDP/DeepSpeed): each rank would apply "
             "its local, un-reduced gradient tiles. Train on one device, or use torch.optim.AdamW."
+        )
+
+
+def _check_torch_options(owner: str, options: dict[str, Any]) -> None:
+    """``torch.optim`` keywords: implementation choices (``foreach``, ``fused``) are accepted (FORGE has its own
+    kernels); options that would change the result are refused when set."""
+    for key, value in options.items():
+        if key in ("foreach", "fused"):
+            continue
+        if key in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if value:
+                raise ValueError(f"{owner} does not support {key}=True (torch.optim's option); use torch.optim for it.")
+            continue
+        raise TypeError(
+            f"{owner} got an unexpected keyword argument {key!r}; its options are max_grad_norm, clip, clip_pass, "
+            "state_dtype, stochastic_rounding, tile_bytes, head_grad, kernel (see its docstring)."
         )
 
 

@@ -31,6 +31,7 @@ class ForgeLinearFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor):
         # runs once per layer and step; on a GPU at small batch the host's time per layer is the step's time, so
         # no op that is a no-op here (a reshape of a 2-D tensor, a cast to the same dtype) is issued
+        ctx.done = True  # (read by the optimizer's _note_use)
         (x,) = ctx.saved_tensors
         weight, bias, dt = ctx.weight, ctx.bias, ctx.dt
         needs = ctx.needs_input_grad
@@ -43,9 +44,14 @@ class ForgeLinearFunction(torch.autograd.Function):
         db = None
         if bias is not None and needs[2]:
             db = dy2.sum(0).to(bias.dtype)
+        dw = None
         if needs[1]:
-            ctx.opt._linear_weight_backward(weight, dy2, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))
-        return dx, None, db, None, None
+            x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            if weight in ctx.opt._shared:  # its gradient has other parts: autograd sums them, the hook applies
+                dw = (dy2.t() @ x2).to(weight.dtype)
+            else:
+                ctx.opt._linear_weight_backward(weight, dy2, x2)
+        return dx, dw, db, None, None
 
 
 class ForgeEmbeddingFunction(torch.autograd.Function):
@@ -60,7 +66,12 @@ class ForgeEmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor):
+        ctx.done = True
         (ids,) = ctx.saved_tensors
-        ctx.opt._embedding_weight_backward(ctx.weight, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]),
-                                           ctx.padding_idx)
+        weight = ctx.weight
+        if weight in ctx.opt._shared:  # (see ForgeLinearFunction.backward)
+            pad = -1 if ctx.padding_idx is None else ctx.padding_idx
+            dw = torch.ops.aten.embedding_dense_backward(dy.to(weight.dtype), ids, weight.shape[0], pad, False)
+            return None, dw, None, None
+        ctx.opt._embedding_weight_backward(weight, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]), ctx.padding_idx)
         return None, None, None, None

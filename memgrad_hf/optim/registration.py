@@ -38,6 +38,22 @@ def _parse_bool(v: str) -> bool:
     raise ValueError(f"expected a boolean in optim_args, got {v!r}")
 
 
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
+
+
+def _parse_bytes(v: str) -> int:
+    """``"4194304"``, ``"4MiB"``, ``"64MB"``, ``"1GiB"`` -> bytes."""
+    text = v.strip().lower()
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = text[len(digits):].strip()
+    try:
+        return int(float(digits) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise ValueError(f"tile_bytes in optim_args must be a number of bytes such as 4194304, 4MiB or 64MB; "
+                         f"got {v!r}.") from None
+
+
 def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
     from memgrad_hf.optim.forge import ForgeAdamW, ForgeLion, ForgeSGD
 
@@ -56,7 +72,12 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
         if key in ("clip", "clip_pass"):
             kwargs[key] = value
         elif key == "tile_bytes":
-            kwargs["tile_bytes"] = int(value)
+            kwargs["tile_bytes"] = _parse_bytes(value)
+        elif key == "max_grad_norm":
+            raise ValueError(
+                f"optim_args max_grad_norm: {name} takes the Trainer's own max_grad_norm; set --max_grad_norm "
+                f"{value} (TrainingArguments(max_grad_norm={value})) instead."
+            )
         elif key in ("stochastic_rounding", "bf16_stochastic_round"):
             kwargs["stochastic_rounding"] = _parse_bool(value)
         elif key == "state_dtype":

@@ -16,15 +16,30 @@ _ATTR = "_memgrad_forge"
 def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # runs once per layer and step: on a GPU at small batch the host's time per layer is the step's time
     dev = x.device.type
+    opt = getattr(self, _ATTR)
     if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        if dt == torch.float16 and torch.is_grad_enabled():
+            raise ValueError(
+                "FORGE optimizers do not train under fp16 autocast: its GradScaler scales the loss, and FORGE applies "
+                "the update inside backward, before the scaler could unscale or skip it. Use bf16 autocast "
+                "(torch.autocast(..., dtype=torch.bfloat16); no scaler needed), or torch.optim.AdamW with the scaler."
+            )
         with torch.autocast(dev, enabled=False):  # the Function casts itself; autocast would hand it a weight copy
-            return ForgeLinearFunction.apply(x, self.weight, self.bias, getattr(self, _ATTR),
-                                             torch.get_autocast_dtype(dev))
-    return ForgeLinearFunction.apply(x, self.weight, self.bias, getattr(self, _ATTR), None)
+            out = ForgeLinearFunction.apply(x, self.weight, self.bias, opt, dt)
+    else:
+        out = ForgeLinearFunction.apply(x, self.weight, self.bias, opt, None)
+    if out.grad_fn is not None:
+        opt._note_use(self.weight, out.grad_fn)
+    return out
 
 
 def _forge_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    return ForgeEmbeddingFunction.apply(ids, self.weight, self.padding_idx, getattr(self, _ATTR))
+    opt = getattr(self, _ATTR)
+    out = ForgeEmbeddingFunction.apply(ids, self.weight, self.padding_idx, opt)
+    if out.grad_fn is not None:
+        opt._note_use(self.weight, out.grad_fn)
+    return out
 
 
 def _plain_embedding(m: nn.Module) -> bool:

@@ -1,0 +1,218 @@
+"""FORGE beyond one layer call per backward: weights used several times, parameters that start training later, the
+optimizer's life around Trainer.train(), and what it refuses. Each case against torch.optim (fp32)."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+from transformers import Trainer
+
+import memgrad_hf  # noqa: F401  (registers forge_*)
+from memgrad_hf.optim import ForgeAdamW, ForgeSGD
+from tests.optim.test_forge_trainer import _args, _assert_weights_close, _train
+from tests.test_trainer_integration import _data
+from tests.tiny_models import tiny_model
+
+
+class _SharedNet(nn.Module):
+    """An embedding and a linear layer each used twice per forward (ALBERT's shared layers, a re-used embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(20, 16)
+        self.shared = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, ids, ids2, target):
+        h = self.emb(ids) + self.emb(ids2).flip(1)
+        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
+        return nn.functional.cross_entropy(self.out(h).flatten(0, 1), target.flatten())
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 20, (3, 6), generator=g), torch.randint(0, 20, (3, 6), generator=g),
+            torch.randint(0, 5, (3, 6), generator=g))
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05], ids=["no_clip", "exact_clip"])
+def test_layers_called_twice_are_updated_once_from_their_summed_gradient(max_grad_norm, caplog):
+    model, ref = _SharedNet(), _SharedNet()
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=max_grad_norm)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        for step in range(3):
+            opt.backward(model(*_batch(step)))
+            opt.step()
+            loss = ref(*_batch(step))
+            loss.backward()
+            if max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+            ref_opt.step()
+            ref_opt.zero_grad()
+    _assert_weights_close(model, ref)
+    assert {p for p in (model.emb.weight, model.shared.weight)} <= opt._shared  # out.weight stays fused
+    assert model.out.weight not in opt._shared
+    assert "shared.weight is used more than once" in caplog.text
+
+
+def test_two_forwards_then_one_backward_equal_torch():
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    a, b = torch.randint(1, 100, (2, 8)), torch.randint(1, 100, (2, 8))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for _ in range(2):  # e.g. chosen and rejected in separate forwards, one loss
+            (m(input_ids=a, labels=a).loss + 0.5 * m(input_ids=b, labels=b).loss).backward()
+            o.step()
+            o.zero_grad()
+    _assert_weights_close(model, ref)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_weight_also_used_outside_its_layer_is_warned_about_and_exact_from_the_next_step(caplog):
+    def loss_of(m, step):
+        return m(*_batch(step)) + 0.1 * m.out.weight.square().sum()  # a penalty on a fused weight
+
+    # SGD without momentum: the separate update of the first step sums to the same step
+    model, ref = _SharedNet(), _SharedNet()
+    opt, ref_opt = ForgeSGD(model.parameters(), model=model, lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        for step in range(3):
+            loss_of(model, step).backward()
+            opt.step()
+            loss_of(ref, step).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    _assert_weights_close(model, ref)
+    assert "out.weight is also used outside its layer" in caplog.text
+    # AdamW: from the step after the warning on, equal to torch from the same weights and state
+    model = _SharedNet()
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    loss_of(model, 0).backward()
+    opt.step()
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        m.__dict__.pop("forward", None)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.load_state_dict({k: v for k, v in copy.deepcopy(opt.state_dict()).items() if k != "forge"})
+    for step in (1, 2):
+        loss_of(model, step).backward()
+        opt.step()
+        loss_of(ref, step).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _assert_weights_close(model, ref)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05], ids=["no_clip", "exact_clip"])
+def test_parameters_unfrozen_or_added_later_train_like_torch(max_grad_norm):
+    model, ref = _SharedNet(), _SharedNet()
+    for m in (model, ref):
+        m.out.bias.requires_grad_(False)  # frozen now, unfrozen after the first step
+    groups = lambda m: [p for n, p in m.named_parameters() if not n.startswith("shared")]  # noqa: E731
+    opt = ForgeAdamW(groups(model), model=model, lr=1e-2, max_grad_norm=max_grad_norm)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2)
+    for step in range(3):
+        if step == 1:
+            opt.add_param_group({"params": list(model.shared.parameters()), "lr": 3e-2})
+            ref_opt.add_param_group({"params": list(ref.shared.parameters()), "lr": 3e-2})
+            model.out.bias.requires_grad_(True)
+            ref.out.bias.requires_grad_(True)
+        opt.backward(model(*_batch(step)))
+        opt.step()
+        ref(*_batch(step)).backward()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_([p for g in ref_opt.param_groups for p in g["params"]], max_grad_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _assert_weights_close(model, ref)
+    assert not torch.equal(model.out.bias, _SharedNet().out.bias)  # it did train
+
+
+def test_the_trainer_detaches_forge_when_training_ends_and_attaches_it_again(tmp_path):
+    model = tiny_model("llama")
+    trainer, _, _ = _train(model, _args(tmp_path / "a", "forge_adamw", max_steps=2))
+    opt = trainer.optimizer.optimizer
+    ids = torch.randint(1, 100, (2, 8))
+    before = [p.detach().clone() for p in model.parameters()]
+    model(input_ids=ids, labels=ids).loss.backward()  # e.g. a saliency map after training: plain gradients
+    assert all(p.grad is not None for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    model.zero_grad(set_to_none=True)
+    ref = copy.deepcopy(model)  # then another optimizer trains the model as it would any model
+    _, la, ga = _train(model, _args(tmp_path / "b", "adamw_torch", max_steps=2))
+    _, lb, _ = _train(ref, _args(tmp_path / "c", "adamw_torch", max_steps=2))
+    assert la == pytest.approx(lb, rel=1e-6) and all(g > 0 for g in ga)
+    trainer.train()  # the first Trainer again: FORGE is attached for the run, detached after
+    assert not opt._attached and all(p.grad is None for p in model.parameters())
+    assert trainer.state.global_step == 2 and not all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+
+
+def test_a_second_backward_before_step_is_warned_about(caplog):
+    model = _SharedNet()
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        model(*_batch(0)).backward()
+        model(*_batch(1)).backward()  # a hand-written accumulation without opt.sync = False
+        opt.step()
+    assert caplog.text.count("optimizer.sync = False") == 1
+
+
+def test_a_refused_backward_moves_no_step_count():
+    model = tiny_model("llama")
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=1.0)
+    ids = torch.randint(1, 100, (2, 8))
+    out = model(input_ids=ids, labels=ids, return_dict=False)  # a tuple: the loss is not wrapped for the norm pass
+    with pytest.raises(RuntimeError, match="optimizer.backward"):
+        out[0].backward()
+    assert all(int(st["step"]) == 0 for st in opt.state.values())
+    model.zero_grad(set_to_none=True)
+    opt.backward(model(input_ids=ids, labels=ids, return_dict=False)[0])  # the fix the message names
+    opt.step()
+    assert {int(st["step"]) for st in opt.state.values()} == {1}
+
+
+def test_fp16_autocast_in_a_hand_written_loop_is_refused():
+    model = tiny_model("llama")
+    ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    ids = torch.randint(1, 100, (2, 8))
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(ValueError, match="bf16 autocast"):
+        model(input_ids=ids, labels=ids)
+    with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
+        model(input_ids=ids)  # inference under fp16 autocast is fine
+
+
+def test_trainer_second_train_call_reattaches(tmp_path):
+    model = tiny_model("llama")
+    trainer = Trainer(model=model, args=_args(tmp_path, "forge_adamw", max_steps=1), train_dataset=_data())
+    trainer.train()
+    opt = trainer.optimizer.optimizer
+    assert not opt._attached
+    opt.attach()
+    assert opt._attached and opt._swapped
+    opt.detach()
+
+
+def test_option_spellings_users_reach_for(tmp_path):
+    model = tiny_model("llama")
+    t = Trainer(model=model, args=_args(tmp_path, "forge_adamw", optim_args="tile_bytes=4MiB"), train_dataset=_data())
+    t.create_optimizer()
+    assert t.optimizer.tile_bytes == 4 << 20
+    t.optimizer.detach()
+    with pytest.raises(ValueError, match="--max_grad_norm 0.5"):
+        Trainer(model=model, args=_args(tmp_path, "forge_adamw", optim_args="max_grad_norm=0.5"),
+                train_dataset=_data()).create_optimizer()
+    with pytest.raises(ValueError, match="4MiB"):
+        Trainer(model=model, args=_args(tmp_path, "forge_adamw", optim_args="tile_bytes=lots"),
+                train_dataset=_data()).create_optimizer()
+    ForgeAdamW(model.parameters(), model=model, foreach=True, fused=False, amsgrad=False).detach()  # torch's choices
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        ForgeAdamW(model.parameters(), model=model, amsgrad=True)
+    with pytest.raises(TypeError, match="'betas2'"):
+        ForgeAdamW(model.parameters(), model=model, betas2=0.9)
