@@ -25,7 +25,8 @@ class FANDistillationCallback(TrainerCallback):
 
     Args:
         distill_steps: switch when ``state.global_step`` reaches this (optimizer steps).
-        distill_epochs: switch at the end of this epoch (``state.epoch >= distill_epochs``). With both given, the
+        distill_epochs: switch at the first optimizer step where ``state.epoch >= distill_epochs`` (fractions
+            switch mid-epoch: 0.5 after half of the first epoch's steps). With both given, the
             first one reached switches; with neither, the FANs distil for the whole run and never switch.
         freeze_fan_after: after the switch, stop training the FANs (``requires_grad=False``). Otherwise the outer
             loss keeps training them through the memory (they become a learned optimizer, no longer distilled).
@@ -115,12 +116,16 @@ class FANDistillationCallback(TrainerCallback):
         if self.distill_steps is not None and state.global_step >= self.distill_steps:
             self._switch(state)
 
+    def _due(self, state: Any) -> bool:
+        return (self.distill_steps is not None and state.global_step >= self.distill_steps) or (
+            self.distill_epochs is not None and (state.epoch or 0) >= self.distill_epochs - 1e-6)
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not self.switched and self.distill_steps is not None and state.global_step >= self.distill_steps:
+        if not self.switched and self._due(state):  # (the Trainer sets the fractional state.epoch before this)
             self._switch(state)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not self.switched and self.distill_epochs is not None and (state.epoch or 0) >= self.distill_epochs - 1e-6:
+        if not self.switched and self._due(state):
             self._switch(state)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:

@@ -226,6 +226,14 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"NeuralMemory: mask must have shape (batch, tokens) = {(b, t)}; got {tuple(mask.shape)}.")
         if state is None:
             state = self.initial_state(b, x.device, x.dtype)
+        elif state.pending[0].shape[0] != b * self.heads:
+            raise ValueError(
+                f"NeuralMemory: the state holds {state.pending[0].shape[0] // self.heads} sequences but x has batch "
+                f"{b}; "
+                "pass the state returned for this batch (or state=None to start new sequences)."
+            )
+        if t == 0:  # an empty segment: nothing to store or retrieve
+            return self.to_out(x.new_zeros(b, 0, self.heads * self.dim_head)), state
         # The norms through K.rms_norm (same math as nn.RMSNorm / F.rms_norm; fewer passes and saved bytes on CPU).
         q = K.rms_norm(self._split_heads(self.to_queries(K.rms_norm(x, self.retrieve_norm.weight,
                                                                      self.retrieve_norm.eps))))

@@ -205,7 +205,8 @@ def test_callback_distils_then_switches_and_no_exact_gradient_after(tmp_path):
     assert logs[-1]["fan_exact_grad_calls"] == cb.exact_calls_at_switch
 
 
-def test_callback_on_a_patched_llama_switches_after_an_epoch(tmp_path):
+@pytest.mark.parametrize("epochs, switch", [(1, 4), (0.5, 2)])  # a fraction switches mid-epoch
+def test_callback_on_a_patched_llama_switches_after_an_epoch(tmp_path, epochs, switch):
     import memgrad_hf
     from memgrad_hf.callbacks import FANDistillationCallback
     from memgrad_hf.titans import TitansConfig
@@ -214,12 +215,12 @@ def test_callback_on_a_patched_llama_switches_after_an_epoch(tmp_path):
     model = tiny_model("llama")
     memgrad_hf.patch_model(model, titans=TitansConfig(layers=[0, -1], heads=2, chunk_size=8, fan=True))
     mems = [m for m in model.modules() if isinstance(m, NeuralMemory)]
-    cb = FANDistillationCallback(distill_epochs=1)
+    cb = FANDistillationCallback(distill_epochs=epochs)
     trainer = _trainer(model, cb, 4, tmp_path)
     trainer.args.max_steps, trainer.args.num_train_epochs = -1, 2  # 2 epochs of 4 steps (8 rows, batch 2)
     trainer.train_dataset = trainer.train_dataset[:8]
     trainer.train()
-    assert cb.switched and cb.switch_step == 4 and all(m.grad_impl == "fan" for m in mems)
-    assert cb.exact_calls_at_switch == sum(m.exact_grad_calls for m in mems) == 2 * 4 * 4  # none in epoch 2
-    assert all(m.fan.calls == 4 * 4 for m in mems)
+    assert cb.switched and cb.switch_step == switch and all(m.grad_impl == "fan" for m in mems)
+    assert cb.exact_calls_at_switch == sum(m.exact_grad_calls for m in mems) == 2 * 4 * switch  # none after it
+    assert all(m.fan.calls == 4 * (8 - switch) for m in mems)
     assert cb.summary["fan_mode"] == 1 and len(cb.summary["cosine_per_memory"]) == 2

@@ -39,7 +39,7 @@ def test_segments_of_any_length_equal_one_call(momentum, forget):
     with torch.no_grad():
         full, full_state = mem(x)
         state, parts = None, []
-        for s, e in [(0, 1), (1, 6), (6, 7), (7, 15), (15, 23)]:
+        for s, e in [(0, 1), (1, 6), (6, 7), (7, 7), (7, 15), (15, 23)]:  # (7, 7): an empty segment
             y, state = mem(x[:, s:e], state)
             parts.append(y)
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-12, rtol=0)
@@ -92,6 +92,10 @@ def test_bad_arguments():
         NeuralMemory(15, heads=2)
     with pytest.raises(ValueError, match="shape"):
         NeuralMemory(16)(torch.randn(2, 16))
+    mem = NeuralMemory(16, chunk_size=4)
+    _, state = mem(torch.randn(2, 6, 16))
+    with pytest.raises(ValueError, match="holds 2 sequences but x has batch 3"):
+        mem(torch.randn(3, 6, 16), state)
 
 
 def test_bf16_autocast_and_bf16_weights():
