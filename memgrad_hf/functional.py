@@ -166,9 +166,9 @@ class _ChunkedHeadStats(torch.autograd.Function):
         zero = torch.zeros_like(lse)
         alpha = g_lse.float() if g_lse is not None else zero
         beta = None
-        if g_ent is not None:  # dH/dz_j = -p_j (z_j - Σ p z),  Σ p z = lse - H
+        if g_ent is not None:  # dH/dz_j = -p_j (log p_j + H)
             g_ent = g_ent.float()
-            alpha = alpha + g_ent * (lse - ent)
+            alpha = alpha - g_ent * ent
             beta = -g_ent
         gamma = None if g_zt is None else g_zt.float()
         delta = None if g_zmean is None or g_zmean.numel() == 0 else g_zmean.float() / vocab

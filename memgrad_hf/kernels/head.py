@@ -3,10 +3,12 @@ holding more than one ``[chunk x vocab]`` block of logits.
 
 Every objective the head serves has a per-token gradient of one shape (REFERENCE §2.2)::
 
-    dL/dz_j = p_j * (alpha + beta * z_j) + gamma * 1[j == t] + delta
+    dL/dz_j = p_j * (alpha + beta * log p_j) + gamma * 1[j == t] + delta
 
-(cross-entropy, label smoothing, z-loss, log-prob and entropy all fit), so one chunk routine,
-:func:`_grad_from_probs`, produces every gradient from four per-token coefficients. Two schedules use it:
+(cross-entropy, label smoothing, z-loss, log-prob and entropy all fit; ``log p_j = z_j - lse``, so the entropy's
+``beta`` term never meets ``lse`` itself: with logits in the hundreds, ``alpha + beta·lse`` would cancel digits), so
+one chunk routine, :func:`_grad_from_probs`, produces every gradient from four per-token coefficients. Two
+schedules use it:
 
 * :func:`fused_cross_entropy` — gradients computed in the forward pass (6·N·V·D flops, no recompute); used for
   scalar losses, where the upstream gradient is a single number applied in backward.
@@ -225,9 +227,8 @@ def _grad_from_probs(
             p.mul_(dcap)
         return p, rows
     if beta is not None:
-        # p (alpha + beta z) = p (alpha + beta lse) + beta p log p, since z = log p + lse
         plogp = torch.special.xlogy(p, p).mul_(beta[:, None])
-        p.mul_((alpha + beta * lse)[:, None]).add_(plogp)
+        p.mul_(alpha[:, None]).add_(plogp)
         del plogp
     else:
         p.mul_(alpha[:, None])

@@ -64,8 +64,9 @@ def _epilogue(u, inp, out, TANH: tl.constexpr):
 @triton.jit
 def _online_stats(base, c0, c1, t, inp, out, TANH: tl.constexpr, ENTROPY: tl.constexpr, ZMEAN: tl.constexpr,
                   SUMSQ: tl.constexpr, TOP1: tl.constexpr, BLOCK: tl.constexpr):
-    """One online pass over columns ``[c0, c1)`` (``c0 < c1``) of a row of logits: ``(m, Σe, Σe·z, Σz, Σe², max z
-    before column t)`` with ``e = exp(z - m)``; the last four 0 / -inf unless asked for."""
+    """One online pass over columns ``[c0, c1)`` (``c0 < c1``) of a row of logits: ``(m, Σe, Σe·(z - m), Σz, Σe²,
+    max z before column t)`` with ``e = exp(z - m)``; the last four 0 / -inf unless asked for. ``Σe·(z - m)`` (<= 0),
+    not ``Σe·z``: the entropy ``log Σe - Σe·(z - m) / Σe`` then never subtracts two numbers of the logits' size."""
     cols0 = tl.arange(0, BLOCK)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
@@ -81,9 +82,10 @@ def _online_stats(base, c0, c1, t, inp, out, TANH: tl.constexpr, ENTROPY: tl.con
         m_new = tl.maximum(m, tl.max(zm, 0))
         scale = tl.exp(m - m_new)  # the first block is never all masked (c0 < c1), so m_new is finite
         e = tl.exp(zm - m_new)
+        if ENTROPY:  # re-based on the new maximum: Σe·(z - m_new) = scale·(Σe·(z - m) + (m - m_new)·Σe)
+            shift = tl.where(s > 0, (m - m_new) * s, 0.0)  # (m = -inf before the first block, where s = 0)
+            sz = (sz + shift) * scale + tl.sum(tl.where(ok, e * (z - m_new), 0.0), 0)
         s = s * scale + tl.sum(e, 0)
-        if ENTROPY:
-            sz = sz * scale + tl.sum(tl.where(ok, e * z, 0.0), 0)
         if ZMEAN:
             zsum += tl.sum(tl.where(ok, z, 0.0), 0)
         if SUMSQ:
@@ -97,9 +99,9 @@ def _online_stats(base, c0, c1, t, inp, out, TANH: tl.constexpr, ENTROPY: tl.con
 @triton.jit
 def _row_stats(base, V, inp, out, TANH: tl.constexpr, ENTROPY: tl.constexpr, ZMEAN: tl.constexpr,
                BLOCK: tl.constexpr):
-    """One online pass over a whole row of logits: ``(lse, Σ p z, Σ z)`` (the last two 0 unless asked for)."""
+    """One online pass over a whole row of logits: ``(lse, entropy, Σ z)`` (the last two 0 unless asked for)."""
     m, s, sz, zsum, _, _ = _online_stats(base, 0, V, 0, inp, out, TANH, ENTROPY, ZMEAN, False, False, BLOCK)
-    return m + tl.log(s), sz / s, zsum
+    return m + tl.log(s), tl.log(s) - sz / s, zsum
 
 
 @triton.jit
@@ -107,14 +109,16 @@ def _write_grad(base, ncols, t, lse, alpha, beta, gamma, delta, inp, out,
                 TANH: tl.constexpr, HAS_BETA: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_DELTA: tl.constexpr,
                 BLOCK: tl.constexpr):
     """Overwrite a row of logits (``ncols`` columns; ``t`` the target's column in it) with ``dL/du``:
-    ``dL/dz_j = p_j (alpha + beta z_j) + gamma [j == t] + delta`` (REFERENCE §2.2) times the epilogue's ``dz/du``."""
+    ``dL/dz_j = p_j (alpha + beta log p_j) + gamma [j == t] + delta`` (REFERENCE §2.2; ``log p_j = z_j - lse``) times
+    the epilogue's ``dz/du``."""
     cols0 = tl.arange(0, BLOCK)
     for v0 in range(0, ncols, BLOCK):
         cols = v0 + cols0
         ok = cols < ncols
         z = _epilogue(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), inp, out, TANH)
-        p = tl.exp(z - lse)
-        g = p * (alpha + beta * z) if HAS_BETA else p * alpha
+        logp = z - lse
+        p = tl.exp(logp)
+        g = p * (alpha + beta * logp) if HAS_BETA else p * alpha
         if HAS_GAMMA:
             g += tl.where(cols == t, gamma, 0.0)
         if HAS_DELTA:
@@ -231,9 +235,10 @@ def _stats_split_kernel(
     BLOCK: tl.constexpr,
 ):
     """One online pass over columns ``[split·span, (split+1)·span)`` of a row of logits; grid ``(rows, splits)``.
-    Writes the split's partial statistics ``(m, Σe, Σe·z, Σz, Σe², max before the target)`` with ``e = exp(z - m)``
-    to ``part[row, split, :]`` (combined by :func:`_combine_splits`), and ``z_t`` from the split holding the target.
-    Splitting a row over several programs keeps the GPU busy when a chunk has few rows and many columns."""
+    Writes the split's partial statistics ``(m, Σe, Σe·(z - m), Σz, Σe², max before the target)`` with
+    ``e = exp(z - m)`` to ``part[row, split, :]`` (combined by :func:`_combine_splits`), and ``z_t`` from the split
+    holding the target. Splitting a row over several programs keeps the GPU busy when a chunk has few rows and many
+    columns."""
     row = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     base = u_ptr + row * s_u
@@ -290,8 +295,8 @@ def _combine_splits(part: Tensor, vocab: int, zt: Tensor, want: frozenset[str]) 
     w = torch.exp(m - top[:, None])
     s = (part[..., 1] * w).sum(1)
     res = {"lse": top + s.log()}
-    if "entropy" in want:  # H = lse - Σ p z
-        res["entropy"] = res["lse"] - (part[..., 2] * w).sum(1) / s
+    if "entropy" in want:  # H = lse - Σ p z = log s - Σ_k w_k (Σe·(z - m_k) + (m_k - top) s_k) / s: no cancellation
+        res["entropy"] = s.log() - ((part[..., 2] + (m - top[:, None]) * part[..., 1]) * w).sum(1) / s
     if "zmean" in want:
         res["zmean"] = part[..., 3].sum(1) / vocab
     if "sumsq" in want:
