@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="FORGE options, e.g. 'clip=previous' (clip with the previous step's exact norm) or "
                         "'state_dtype=bf16'; the default clips exactly (optim_args clip_pass in the README)")
     p.add_argument("--no_patch", action="store_true", help="do not apply memgrad_hf.patch_model")
-    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--bf16", action="store_true",
+                   help="a hub model loads in bf16, and the Trainer runs bf16 (default: fp32)")
     p.add_argument("--output_dir", default="/tmp/memgrad_grpo")
     a = p.parse_args(argv)
 
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
     else:
         tok = AutoTokenizer.from_pretrained(a.model, padding_side="left")
-        model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.bfloat16 if a.bf16 else None)
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16 if a.bf16 else torch.float32)
     rows = gsm8k_rows(a.dataset) if a.dataset else arithmetic_prompts(max(64, a.max_steps * a.batch))
     data = Dataset.from_list(rows)
     if not a.no_patch:

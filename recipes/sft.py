@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optim_args", default=None, help="e.g. state_dtype=bf16 or clip=previous (FORGE)")
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="FORGE clips exactly")
     p.add_argument("--no_patch", action="store_true", help="do not apply memgrad_hf.patch_model")
-    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--bf16", action="store_true",
+                   help="a hub model loads in bf16, and the Trainer runs bf16 (default: fp32)")
     p.add_argument("--output_dir", default="/tmp/memgrad_sft")
     a = p.parse_args(argv)
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         text = DEMO_TEXT
     else:
         tok = AutoTokenizer.from_pretrained(a.model)
-        model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.bfloat16 if a.bf16 else None)
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16 if a.bf16 else torch.float32)
         if a.dataset:
             from datasets import load_dataset
 

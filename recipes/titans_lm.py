@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--optim", default="adamw_torch", help="any Trainer optimizer name (adamw_torch, forge_adamw)")
     train.add_argument("--logging_steps", type=int, default=None, help="default: max_steps / 10")
     train.add_argument("--eval_tokens", type=int, default=4096, help="held-out tokens evaluated at the end")
-    train.add_argument("--bf16", action="store_true")
+    train.add_argument("--bf16", action="store_true",
+                       help="a hub model loads in bf16, and the Trainer runs bf16 (default: fp32)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=None,
                        help="torch CPU threads (default: 1 for a new model on CPU, else torch's default)")
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             eos_token_id=tok.eos_token_id))
     else:
         tok = AutoTokenizer.from_pretrained(a.model)
-        model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.bfloat16 if a.bf16 else None)
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16 if a.bf16 else torch.float32)
         train_ids = tok(train_text, add_special_tokens=False).input_ids
         valid_ids = tok(valid_text, add_special_tokens=False).input_ids
     chars_per_token = len(valid_text) / max(len(valid_ids), 1)

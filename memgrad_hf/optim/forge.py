@@ -209,6 +209,8 @@ class ForgeOptimizer(Optimizer):
         # backward, a use outside its layer): its parts are summed by autograd and applied once, by the hook
         self._shared: set[Tensor] = set()
         self._last_use: dict[Tensor, Any] = {}  # fused weight -> weakref to its latest autograd node (_note_use)
+        self._shared_log: list[Tensor] = []  # _shared in the order marked
+        self._head_mark = 0  # len(_shared_log) when the chunked head's latest loss was built
         self._applied: set[Tensor] = set()  # updated since the last step(): a second update there is warned about
         self._warned_twice = False
         self._swapped: list[nn.Module] = []
@@ -654,9 +656,13 @@ class ForgeOptimizer(Optimizer):
         state: dict[str, Any] = {}
 
         def consume(v0: int, v1: int, dw: Tensor, db: Tensor | None) -> None:
-            if v0 == 0:
+            state["done"] = True  # its backward has begun (_note_head_use; not an attribute of consume: a cycle
+            if v0 == 0:           # would keep a dropped graph's consumer alive until the next garbage collection)
                 state["blk"] = self._begin_blocks(weight)
             self._apply_block(weight, state["blk"], v0, v1, dw)
+
+        consume.state = state  # type: ignore[attr-defined]
+        self._note_head_use(weight, consume)
 
         consume.hold = self._hold_head_grad(weight)  # type: ignore[attr-defined]  (read by the head patch)
         # a recording norm pass (clip_pass="replay") keeps the head's block walk, replayed once the norm is known;
@@ -702,8 +708,29 @@ class ForgeOptimizer(Optimizer):
                                           "two forwards and one loss)")
         self._last_use[weight] = weakref.ref(node)
 
+    def _note_head_use(self, weight: Tensor, consume: Any) -> None:
+        """A chunked LM head's loss is being built. Its weight gradient reaches FORGE in vocabulary blocks inside that
+        loss's backward, so a second loss before the first one's backward cannot be summed with it: refused here,
+        before anything is applied."""
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        prev = self._last_use.get(weight)
+        busy = prev is not None and prev() is not None and not prev().state.get("done")  # (no reference kept)
+        if busy:  # the layers this forward marked as shared were not: the forward is refused
+            self._shared.difference_update(self._shared_log[self._head_mark:])
+            del self._shared_log[self._head_mark:]
+            raise ValueError(
+                "FORGE: the model's chunked LM head built a second loss before the first one's backward (two forwards, "
+                "one backward). FORGE applies the head's update inside each backward and cannot sum the two. Run both "
+                "batches in one forward, or call backward after each forward (optimizer.sync = False before all but "
+                "the last, for gradient accumulation), or patch_model(model, head=False)."
+            )
+        self._last_use[weight] = weakref.ref(consume)
+        self._head_mark = len(self._shared_log)
+
     def _mark_shared(self, weight: Tensor, why: str) -> None:
         self._shared.add(weight)
+        self._shared_log.append(weight)
         name = next((n for n, q in self.model.named_parameters() if q is weight), "a weight")
         log.warning("forge: %s %s: its gradient is summed by autograd and then applied once, as torch.optim does (its "
                     "weight gradient exists in full for that moment).", name, why)

@@ -216,3 +216,23 @@ def test_option_spellings_users_reach_for(tmp_path):
         ForgeAdamW(model.parameters(), model=model, amsgrad=True)
     with pytest.raises(TypeError, match="'betas2'"):
         ForgeAdamW(model.parameters(), model=model, betas2=0.9)
+
+
+def test_two_losses_through_the_chunked_head_before_one_backward_are_refused_before_any_update():
+    model = memgrad_hf.patch_model(tiny_model("llama"))
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    a, b = torch.randint(1, 100, (2, 8)), torch.randint(1, 100, (2, 8))
+    for _ in range(2):  # one forward and backward at a time: fine, and a no-grad forward in between too
+        model(input_ids=b, labels=b)  # a loss dropped without backward is no pending use
+        model(input_ids=a, labels=a).loss.backward()
+        with torch.no_grad():
+            model(input_ids=b, labels=b, skip_logits=True)
+        opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    first = model(input_ids=a, labels=a).loss
+    with pytest.raises(ValueError, match="second loss before the first one's backward"):
+        model(input_ids=b, labels=b)
+    del first
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert not opt._shared  # the refused forward leaves its layers fused
+    model(input_ids=b, labels=b).loss.backward()  # the first graph gone: a new one is fine
