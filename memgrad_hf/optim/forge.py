@@ -244,6 +244,7 @@ class ForgeOptimizer(Optimizer):
         self._hooked = {p for p in self._group_index if p.requires_grad}
         self._unhooked = [p for p in self._group_index if not p.requires_grad]  # (see _hook_new)
         self._attached = True
+        self._scanned = False  # (scan_uses runs once per attach)
         # A chunked LM head hands its weight gradient over in vocabulary blocks instead of building it.
         from memgrad_hf.patches.head import set_head_weight_consumer
 
@@ -594,8 +595,9 @@ class ForgeOptimizer(Optimizer):
     # Row blocks of a weight gradient pushed to the optimizer one at a time (embedding, chunked LM head).
 
     def _begin_blocks(self, weight: Tensor) -> dict[str, Any] | None:
-        """Start a weight's blockwise step; None when this backward does not apply updates (accumulating)."""
-        if not self._is_sync():
+        """Start a weight's blockwise step; None when this backward does not apply updates (accumulating, or a weight
+        whose gradient has other parts: its blocks join .grad, and the hook applies the sum)."""
+        if not self._is_sync() or weight in self._shared:
             return None
         if self._mode == "norm":
             return {"acc": self._accumulated(weight)}
@@ -651,7 +653,7 @@ class ForgeOptimizer(Optimizer):
 
     def _head_weight_consumer(self, weight: Tensor) -> Any:
         """For a chunked LM head whose weight this optimizer updates: receives its gradient in vocabulary blocks."""
-        if weight not in self._fused:
+        if weight not in self._fused or weight in self._shared:  # (shared: autograd sums its parts, the hook applies)
             return None
         state: dict[str, Any] = {}
 
@@ -668,8 +670,10 @@ class ForgeOptimizer(Optimizer):
         # a recording norm pass (clip_pass="replay") keeps the head's block walk, replayed once the norm is known;
         # or, where the blocks fit under the peak so far (as a linear layer's tiles), the blocks themselves: the
         # replay then applies them instead of recomputing the logits
-        consume.defer = self._record  # type: ignore[attr-defined]
-        consume.keep = lambda: self._replays is not None and self._may_keep(weight)  # type: ignore[attr-defined]
+        # (a weight found shared after this loss was built sends its blocks to .grad instead: nothing to replay)
+        consume.defer = lambda fn, *a: weight not in self._shared and self._record(fn, *a)  # type: ignore
+        consume.keep = lambda: (weight not in self._shared and self._replays is not None  # type: ignore
+                                and self._may_keep(weight))
         return consume
 
     def _hold_head_grad(self, weight: Tensor) -> bool:
@@ -707,6 +711,34 @@ class ForgeOptimizer(Optimizer):
                 self._mark_shared(weight, "is used more than once before one backward (a layer called twice, or "
                                           "two forwards and one loss)")
         self._last_use[weight] = weakref.ref(node)
+
+    def scan_uses(self, loss: Tensor) -> None:
+        """Once after :meth:`attach`: walk ``loss``'s autograd graph and count, for each fused weight, the edges into
+        its gradient accumulator. More than one (a layer called twice, a use outside its layer such as a penalty on
+        the weight in the loss) and the weight's parts are summed by autograd before its update, from this backward
+        on. Run by ``Accelerator.backward`` (the Trainer) and :meth:`backward`; a plain ``loss.backward()`` relies on
+        the checks at forward (``_note_use``) and in the hook (``_on_grad``)."""
+        if self._scanned or not isinstance(loss, Tensor) or loss.grad_fn is None:
+            return
+        self._scanned = True
+        fused = self._fused - self._shared
+        edges: dict[Tensor, int] = {}
+        seen, stack = {loss.grad_fn}, [loss.grad_fn]
+        while stack:
+            for nxt, _ in stack.pop().next_functions:
+                if nxt is None:
+                    continue
+                var = getattr(nxt, "variable", None)  # an AccumulateGrad node: a leaf's gradient accumulator
+                if var is not None:
+                    if var in fused:
+                        edges[var] = edges.get(var, 0) + 1
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        for weight, n in edges.items():
+            if n > 1:
+                self._mark_shared(weight, f"has {n} uses in the loss's graph (a layer called twice, or a use outside "
+                                          "its layer)")
 
     def _note_head_use(self, weight: Tensor, consume: Any) -> None:
         """A chunked LM head's loss is being built. Its weight gradient reaches FORGE in vocabulary blocks inside that
@@ -832,7 +864,9 @@ class ForgeOptimizer(Optimizer):
         return loss
 
     def backward(self, loss: Tensor) -> None:
-        """``loss.backward()`` with exact clipping for losses computed outside the model's forward."""
+        """``loss.backward()`` with exact clipping for losses computed outside the model's forward; the first call also
+        finds fused weights that the loss uses more than once (:meth:`scan_uses`)."""
+        self.scan_uses(loss)
         if self.needs_norm_pass and loss.dim() > 0 and self._is_sync():  # clip_root takes scalars
             self._norm_pass(loss, torch.ones_like(loss))
         elif not isinstance(loss.grad_fn, _ClipRoot._backward_cls):  # (the model's own loss is wrapped already)

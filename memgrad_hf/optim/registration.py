@@ -152,6 +152,7 @@ def _hook_accelerator_backward() -> None:
         for o in getattr(self, "_optimizers", ()):
             inner = getattr(o, "optimizer", o)
             if isinstance(inner, ForgeOptimizer) and inner._trainer_managed:
+                inner.scan_uses(loss)
                 loss = inner.clip_root(loss)
         return original(self, loss, **kwargs)
 

@@ -74,11 +74,34 @@ def test_two_forwards_then_one_backward_equal_torch():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_a_weight_also_used_outside_its_layer_is_warned_about_and_exact_from_the_next_step(caplog):
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05], ids=["no_clip", "exact_clip"])
+def test_a_weight_also_used_outside_its_layer_is_found_in_the_graph_and_exact(max_grad_norm, caplog):
+    # optimizer.backward(loss) (and the Trainer's backward) walk the first loss's graph: a penalty on a fused weight
+    # is a second edge into its gradient accumulator, so its parts are summed before its first update
+    def loss_of(m, step):
+        return m(*_batch(step)) + 0.1 * m.out.weight.square().sum() + 0.1 * m.emb.weight.square().sum()
+
+    model, ref = _SharedNet(), _SharedNet()
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=max_grad_norm)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        for step in range(3):
+            opt.backward(loss_of(model, step))
+            opt.step()
+            loss_of(ref, step).backward()
+            if max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+            ref_opt.step()
+            ref_opt.zero_grad()
+    _assert_weights_close(model, ref)
+    assert "out.weight has 2 uses in the loss's graph" in caplog.text
+
+
+def test_a_use_outside_its_layer_seen_only_at_the_hook_is_warned_about_and_exact_from_the_next_step(caplog):
     def loss_of(m, step):
         return m(*_batch(step)) + 0.1 * m.out.weight.square().sum()  # a penalty on a fused weight
 
-    # SGD without momentum: the separate update of the first step sums to the same step
+    # a plain loss.backward(): SGD without momentum, where the first step's separate update sums to the same step
     model, ref = _SharedNet(), _SharedNet()
     opt, ref_opt = ForgeSGD(model.parameters(), model=model, lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
@@ -107,6 +130,26 @@ def test_a_weight_also_used_outside_its_layer_is_warned_about_and_exact_from_the
         ref_opt.step()
         ref_opt.zero_grad()
     _assert_weights_close(model, ref)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.5], ids=["no_clip", "exact_clip"])
+def test_a_penalty_on_the_chunked_heads_weight_is_summed_before_its_update(max_grad_norm):
+    model = memgrad_hf.patch_model(tiny_model("llama"))
+    ref = memgrad_hf.patch_model(tiny_model("llama"))  # the same head math: what differs is the optimizer
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=max_grad_norm)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ids = torch.randint(1, 100, (2, 8))
+    for _ in range(3):
+        opt.backward(model(input_ids=ids, labels=ids).loss + 0.05 * model.lm_head.weight.square().sum())
+        opt.step()
+        (ref(input_ids=ids, labels=ids).loss + 0.05 * ref.lm_head.weight.square().sum()).backward()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    # (with clipping, FORGE's fp64-summed norm and clip_grad_norm_'s fp32 one set coefficients ~1e-7 apart)
+    _assert_weights_close(model, ref, rtol=5e-5 if max_grad_norm else 1e-6)
+    assert model.lm_head.weight in opt._shared
 
 
 @pytest.mark.parametrize("max_grad_norm", [0.0, 0.05], ids=["no_clip", "exact_clip"])
@@ -236,3 +279,21 @@ def test_two_losses_through_the_chunked_head_before_one_backward_are_refused_bef
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     assert not opt._shared  # the refused forward leaves its layers fused
     model(input_ids=b, labels=b).loss.backward()  # the first graph gone: a new one is fine
+
+
+class _PenaltyTrainer(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, **kw):
+        loss = super().compute_loss(model, inputs, return_outputs, **kw)
+        return loss + 0.05 * model.model.layers[0].self_attn.q_proj.weight.square().sum()
+
+
+def test_trainer_with_a_penalty_on_a_linear_weight_equals_adamw_torch(tmp_path):
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    runs = []
+    for m, optim in ((model, "forge_adamw"), (ref, "adamw_torch")):
+        t = _PenaltyTrainer(model=m, args=_args(tmp_path / optim, optim, max_grad_norm=1.0), train_dataset=_data())
+        t.train()
+        runs.append([h["loss"] for h in t.state.log_history if "loss" in h])
+    assert runs[0] == pytest.approx(runs[1], rel=1e-5)
+    _assert_weights_close(model, ref)
