@@ -97,14 +97,18 @@ def _next_step(st: dict[str, Any]) -> int:
     return step
 
 
-@functools.cache
+_GRADIENT_STATE: list[type | None] = []  # (a list, not functools.cache: torch.compile traces this and warns on caches)
+
+
 def _gradient_state_class() -> type | None:
     """accelerate's ``GradientState`` (whether this micro-batch syncs), imported once: read per layer and step."""
-    try:
-        from accelerate.state import GradientState
-    except Exception:
-        return None
-    return GradientState
+    if not _GRADIENT_STATE:
+        try:
+            from accelerate.state import GradientState
+        except Exception:
+            GradientState = None  # noqa: N806
+        _GRADIENT_STATE.append(GradientState)
+    return _GRADIENT_STATE[0]
 
 
 class _ClipRoot(torch.autograd.Function):
