@@ -212,9 +212,12 @@ class ForgeOptimizer(Optimizer):
         # A weight whose gradient has several parts in one backward (a layer called twice, two forwards before one
         # backward, a use outside its layer): its parts are summed by autograd and applied once, by the hook
         self._shared: set[Tensor] = set()
-        self._last_use: dict[Tensor, Any] = {}  # fused weight -> weakref to its latest autograd node (_note_use)
-        self._shared_log: list[Tensor] = []  # _shared in the order marked
-        self._head_mark = 0  # len(_shared_log) when the chunked head's latest loss was built
+        self._shared_fixed: set[Tensor] = set()  # found in the graph or at the hook: shared from then on
+        self._warned_shared: set[Tensor] = set()
+        # fused weight -> weakref to its latest use not yet back-propagated: the autograd node of its layer, or the
+        # chunked head's consumer of its gradient (see _pending)
+        self._last_use: dict[Tensor, Any] = {}
+        self._in_layer: set[Tensor] = set()  # fused weights whose layer back-propagated since the last step()
         self._applied: set[Tensor] = set()  # updated since the last step(): a second update there is warned about
         self._warned_twice = False
         self._swapped: list[nn.Module] = []
@@ -530,6 +533,7 @@ class ForgeOptimizer(Optimizer):
 
     def _linear_weight_backward(self, weight: Tensor, dy: Tensor, x: Tensor) -> None:
         """Called from the fused linear's backward with ``dy`` ``[N, out]`` and ``x`` ``[N, in]``."""
+        self._in_layer.add(weight)
         if not self._is_sync():  # gradient accumulation: keep the sum in .grad until the sync micro-batch
             g = (dy.t() @ x).to(weight.dtype)
             weight.grad = g if weight.grad is None else weight.grad + g
@@ -634,6 +638,7 @@ class ForgeOptimizer(Optimizer):
 
     def _embedding_weight_backward(self, weight: Tensor, ids: Tensor, dy: Tensor, padding_idx: int | None) -> None:
         """Called from the fused embedding's backward: the dense gradient is built and applied per row block."""
+        self._in_layer.add(weight)
         # With the device kernels (GPU), boolean selection would wait for the host once per block: mask instead
         # (every token's row is added to every block, zeroed where it belongs elsewhere; cheap next to the update).
         if self._mode == "norm":
@@ -657,18 +662,25 @@ class ForgeOptimizer(Optimizer):
 
     def _head_weight_consumer(self, weight: Tensor) -> Any:
         """For a chunked LM head whose weight this optimizer updates: receives its gradient in vocabulary blocks."""
-        if weight not in self._fused or weight in self._shared:  # (shared: autograd sums its parts, the hook applies)
+        if weight not in self._fused:
+            return None
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1 and self._pending(weight):
+            self._mark_shared(weight, "is used more than once before one backward (two losses through the chunked "
+                                      "head, or the head and its plain forward)", fixed=False)
+        if weight in self._shared:  # autograd sums its parts, the hook applies them
             return None
         state: dict[str, Any] = {}
 
         def consume(v0: int, v1: int, dw: Tensor, db: Tensor | None) -> None:
-            state["done"] = True  # its backward has begun (_note_head_use; not an attribute of consume: a cycle
-            if v0 == 0:           # would keep a dropped graph's consumer alive until the next garbage collection)
+            state["done"] = True  # its backward has begun (_pending; not an attribute of consume: a cycle would
+            self._in_layer.add(weight)  # keep a dropped graph's consumer alive until the next garbage collection)
+            if v0 == 0:
                 state["blk"] = self._begin_blocks(weight)
             self._apply_block(weight, state["blk"], v0, v1, dw)
 
         consume.state = state  # type: ignore[attr-defined]
-        self._note_head_use(weight, consume)
+        if torch.is_grad_enabled():
+            self._note_use(weight, consume)
 
         consume.hold = self._hold_head_grad(weight)  # type: ignore[attr-defined]  (read by the head patch)
         # a recording norm pass (clip_pass="replay") keeps the head's block walk, replayed once the norm is known;
@@ -701,19 +713,27 @@ class ForgeOptimizer(Optimizer):
             return forge_triton.linear_weight_step_split if split else forge_triton.linear_weight_step
         return K.linear_weight_step
 
+    def _pending(self, weight: Tensor) -> bool:
+        """Whether the weight's latest use (its layer's autograd node, or the chunked head's consumer of its gradient)
+        is alive and has not run its backward yet."""
+        prev = self._last_use.get(weight)
+        use = None if prev is None else prev()
+        if use is None:
+            return False
+        state = getattr(use, "state", None)  # (the head's consumer keeps its flag in a dict: no reference cycle)
+        return not (state.get("done") if isinstance(state, dict) else getattr(use, "done", False))
+
     def _note_use(self, weight: Tensor, node: Any) -> None:
-        """A fused layer's forward built autograd ``node``. If the weight's previous node has not run its backward
-        yet (the layer called twice, or two forwards before one backward), its gradient has several parts: from now
-        on they are summed by autograd and applied once (``_shared``). Recomputations inside a backward (gradient
-        checkpointing) are not uses."""
+        """A fused weight's use was built in forward (``node``: its layer's autograd node, or the chunked head's
+        consumer). If its previous use has not run its backward yet (a layer called twice, two forwards before one
+        backward), the weight's gradient may have several parts: for this step they are summed by autograd and
+        applied once (``_shared``). Recomputations inside a backward (gradient checkpointing) are not uses."""
         if torch._C._current_graph_task_id() != -1:
             return
-        prev = self._last_use.get(weight)
-        if prev is not None and weight not in self._shared:
-            pending = prev()
-            if pending is not None and not getattr(pending, "done", False):
-                self._mark_shared(weight, "is used more than once before one backward (a layer called twice, or "
-                                          "two forwards and one loss)")
+        if weight not in self._shared and self._pending(weight):
+            self._mark_shared(weight, "is used more than once before one backward (a layer called twice, two "
+                                      "forwards and one loss, or an earlier forward's graph kept without a backward)",
+                              fixed=False)
         self._last_use[weight] = weakref.ref(node)
 
     def scan_uses(self, loss: Tensor) -> None:
@@ -744,29 +764,15 @@ class ForgeOptimizer(Optimizer):
                 self._mark_shared(weight, f"has {n} uses in the loss's graph (a layer called twice, or a use outside "
                                           "its layer)")
 
-    def _note_head_use(self, weight: Tensor, consume: Any) -> None:
-        """A chunked LM head's loss is being built. Its weight gradient reaches FORGE in vocabulary blocks inside that
-        loss's backward, so a second loss before the first one's backward cannot be summed with it: refused here,
-        before anything is applied."""
-        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
-            return
-        prev = self._last_use.get(weight)
-        busy = prev is not None and prev() is not None and not prev().state.get("done")  # (no reference kept)
-        if busy:  # the layers this forward marked as shared were not: the forward is refused
-            self._shared.difference_update(self._shared_log[self._head_mark:])
-            del self._shared_log[self._head_mark:]
-            raise ValueError(
-                "FORGE: the model's chunked LM head built a second loss before the first one's backward (two forwards, "
-                "one backward). FORGE applies the head's update inside each backward and cannot sum the two. Run both "
-                "batches in one forward, or call backward after each forward (optimizer.sync = False before all but "
-                "the last, for gradient accumulation), or patch_model(model, head=False)."
-            )
-        self._last_use[weight] = weakref.ref(consume)
-        self._head_mark = len(self._shared_log)
-
-    def _mark_shared(self, weight: Tensor, why: str) -> None:
+    def _mark_shared(self, weight: Tensor, why: str, fixed: bool = True) -> None:
+        """``fixed``: from now on (found in the graph or at the hook); else for this step (found at forward: a graph
+        kept alive without a backward looks the same as a second use)."""
         self._shared.add(weight)
-        self._shared_log.append(weight)
+        if fixed:
+            self._shared_fixed.add(weight)
+        if weight in self._warned_shared:
+            return
+        self._warned_shared.add(weight)
         name = next((n for n, q in self.model.named_parameters() if q is weight), "a weight")
         log.warning("forge: %s %s: its gradient is summed by autograd and then applied once, as torch.optim does (its "
                     "weight gradient exists in full for that moment).", name, why)
@@ -816,9 +822,10 @@ class ForgeOptimizer(Optimizer):
     def _on_grad(self, p: Tensor) -> None:
         if p.grad is None or not self._is_sync():  # fused weights reach here with no gradient: nothing to do
             return
-        if p in self._fused and p not in self._shared:
+        if p in self._fused and p not in self._shared and p in self._in_layer:
             # a gradient from a use outside the layer, which arrives after the layer's own fused update: this step
-            # applies the two separately; from the next step on the parts are summed first (exact)
+            # applies the two separately; from the next step on the parts are summed first (exact). (Without the
+            # layer's own backward this step, the hook's gradient is the whole gradient: one update, exact.)
             self._mark_shared(p, "is also used outside its layer (e.g. a penalty on the weight in the loss); this "
                                  "step applied that part of its gradient as a separate update")
         if self._mode == "norm":
@@ -849,6 +856,8 @@ class ForgeOptimizer(Optimizer):
                     self._apply(p, g)
             self._hook_new()
         self._applied.clear()
+        self._in_layer.clear()
+        self._shared = set(self._shared_fixed)  # marks found at forward hold for their step only
         now, bad = 0.0, 0
         for norm_sq, skipped in self._step_sums.values():  # one host read per device and step
             now, bad = now + float(norm_sq), bad + int(skipped)
