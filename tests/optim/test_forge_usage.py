@@ -38,6 +38,19 @@ def _batch(seed):
             torch.randint(0, 5, (3, 6), generator=g))
 
 
+def _step_both(model, opt, ref, ref_opt, loss, max_grad_norm=0.0, via_opt=False):
+    """One step of the FORGE optimizer on ``model`` and of its torch.optim reference on ``ref`` (``loss(m)`` gives a
+    model's loss; the reference clips over its optimizer's parameters). ``via_opt``: FORGE's backward runs through
+    ``opt.backward``."""
+    opt.backward(loss(model)) if via_opt else loss(model).backward()
+    opt.step()
+    loss(ref).backward()
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_([p for g in ref_opt.param_groups for p in g["params"]], max_grad_norm)
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
 @pytest.mark.parametrize("max_grad_norm", [0.0, 0.05], ids=["no_clip", "exact_clip"])
 def test_layers_called_twice_are_updated_once_from_their_summed_gradient(max_grad_norm, caplog):
     model, ref = _SharedNet(), _SharedNet()
@@ -45,14 +58,7 @@ def test_layers_called_twice_are_updated_once_from_their_summed_gradient(max_gra
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
         for step in range(3):
-            opt.backward(model(*_batch(step)))
-            opt.step()
-            loss = ref(*_batch(step))
-            loss.backward()
-            if max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
-            ref_opt.step()
-            ref_opt.zero_grad()
+            _step_both(model, opt, ref, ref_opt, lambda m, s=step: m(*_batch(s)), max_grad_norm, via_opt=True)
     _assert_weights_close(model, ref)
     assert {p for p in (model.emb.weight, model.shared.weight)} <= opt._warned_shared  # out.weight stays fused
     assert model.out.weight not in opt._warned_shared
@@ -86,13 +92,7 @@ def test_a_weight_also_used_outside_its_layer_is_found_in_the_graph_and_exact(ma
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
         for step in range(3):
-            opt.backward(loss_of(model, step))
-            opt.step()
-            loss_of(ref, step).backward()
-            if max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
-            ref_opt.step()
-            ref_opt.zero_grad()
+            _step_both(model, opt, ref, ref_opt, lambda m, s=step: loss_of(m, s), max_grad_norm, via_opt=True)
     _assert_weights_close(model, ref)
     assert "out.weight has 2 uses in the loss's graph" in caplog.text
 
@@ -106,11 +106,7 @@ def test_a_use_outside_its_layer_seen_only_at_the_hook_is_warned_about_and_exact
     opt, ref_opt = ForgeSGD(model.parameters(), model=model, lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
         for step in range(3):
-            loss_of(model, step).backward()
-            opt.step()
-            loss_of(ref, step).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            _step_both(model, opt, ref, ref_opt, lambda m, s=step: loss_of(m, s))
     _assert_weights_close(model, ref)
     assert "out.weight is also used outside its layer" in caplog.text
     # AdamW: from the step after the warning on, equal to torch from the same weights and state
@@ -124,11 +120,7 @@ def test_a_use_outside_its_layer_seen_only_at_the_hook_is_warned_about_and_exact
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_opt.load_state_dict({k: v for k, v in copy.deepcopy(opt.state_dict()).items() if k != "forge"})
     for step in (1, 2):
-        loss_of(model, step).backward()
-        opt.step()
-        loss_of(ref, step).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(model, opt, ref, ref_opt, lambda m, s=step: loss_of(m, s))
     _assert_weights_close(model, ref)
 
 
@@ -140,13 +132,9 @@ def test_a_penalty_on_the_chunked_heads_weight_is_summed_before_its_update(max_g
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ids = torch.randint(1, 100, (2, 8))
     for _ in range(3):
-        opt.backward(model(input_ids=ids, labels=ids).loss + 0.05 * model.lm_head.weight.square().sum())
-        opt.step()
-        (ref(input_ids=ids, labels=ids).loss + 0.05 * ref.lm_head.weight.square().sum()).backward()
-        if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(model, opt, ref, ref_opt,
+                   lambda m: m(input_ids=ids, labels=ids).loss + 0.05 * m.lm_head.weight.square().sum(),
+                   max_grad_norm, via_opt=True)
     # (with clipping, FORGE's fp64-summed norm and clip_grad_norm_'s fp32 one set coefficients ~1e-7 apart)
     _assert_weights_close(model, ref, rtol=5e-5 if max_grad_norm else 1e-6)
     assert model.lm_head.weight in opt._shared
@@ -166,13 +154,7 @@ def test_parameters_unfrozen_or_added_later_train_like_torch(max_grad_norm):
             ref_opt.add_param_group({"params": list(ref.shared.parameters()), "lr": 3e-2})
             model.out.bias.requires_grad_(True)
             ref.out.bias.requires_grad_(True)
-        opt.backward(model(*_batch(step)))
-        opt.step()
-        ref(*_batch(step)).backward()
-        if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_([p for g in ref_opt.param_groups for p in g["params"]], max_grad_norm)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(model, opt, ref, ref_opt, lambda m, s=step: m(*_batch(s)), max_grad_norm, via_opt=True)
     _assert_weights_close(model, ref)
     assert not torch.equal(model.out.bias, _SharedNet().out.bias)  # it did train
 
@@ -276,13 +258,7 @@ def test_the_chunked_head_used_twice_before_one_backward_equals_torch(max_grad_n
         return m(input_ids=a).logits.square().mean() + m(input_ids=b, labels=b).loss
 
     for step in range(4):
-        loss_of(model, step).backward()
-        opt.step()
-        loss_of(ref, step).backward()
-        if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(model, opt, ref, ref_opt, lambda m, s=step: loss_of(m, s), max_grad_norm)
     _assert_weights_close(model, ref, rtol=5e-5 if max_grad_norm else 1e-6)
 
 
