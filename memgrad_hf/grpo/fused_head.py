@@ -9,6 +9,7 @@ logits on any device (TRL's CPU fallback builds several full ``[tokens x vocab]`
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from contextlib import nullcontext
 from typing import Any
@@ -120,17 +121,27 @@ _ORIGINALS: dict[str, Any] = {}
 _ALL_MODELS = {"on": False}
 
 
-def _is_memgrad_patched(model: Any) -> bool:
+def is_memgrad_patched(model: Any) -> bool:
+    """Whether ``model`` (or the causal LM under its PEFT wrapper) went through ``patch_model`` with the head."""
     from memgrad_hf.patches import _causal_lm
     from memgrad_hf.patches.head import is_head_patched
 
     return is_head_patched(_causal_lm(model)) or is_head_patched(model)
 
 
+def _policy_patched(caller: Any) -> bool:
+    """Whether the trainer whose ``__init__`` is ``caller`` (a frame) trains a ``patch_model``ed policy. TRL installs
+    the head on the policy, then on ``self.ref_model``: the reference of a patched policy gets memgrad's head too, so
+    both score with the same kernels (log-ratios exactly 0 while the weights are equal, as with TRL's head on both)."""
+    trainer = caller.f_locals.get("self") if caller is not None else None
+    policy = getattr(trainer, "model", None)
+    return isinstance(policy, torch.nn.Module) and is_memgrad_patched(policy)
+
+
 def _dispatch(model: Any, *args: Any, **kwargs: Any) -> Any:
     """What TRL's trainers call: memgrad's head for every model after ``patch_trl()``, else for ``patch_model``ed
-    models only; TRL's own otherwise."""
-    if _ALL_MODELS["on"] or _is_memgrad_patched(model):
+    models and the other models of a trainer whose policy is one; TRL's own otherwise."""
+    if _ALL_MODELS["on"] or is_memgrad_patched(model) or _policy_patched(sys._getframe(1)):
         return add_fused_lm_head(model, *args, **kwargs)
     original = next(iter(_ORIGINALS.values()))
     return original(model, *args, **kwargs)
@@ -138,7 +149,6 @@ def _dispatch(model: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _install(modules: Any = None) -> list[str]:
     import importlib
-    import sys
 
     done = []
     for name in _TRL_MODULES:
@@ -163,7 +173,7 @@ def patch_trl() -> list[str]:
     """Make TRL's trainers install memgrad's fused head instead of their own for every model (training,
     old-policy and reference passes all go through it). Idempotent; returns the patched module names. Undo with
     :func:`unpatch_trl`. Without this call, a model passed through :func:`memgrad_hf.patch_model` gets memgrad's head
-    automatically in TRL trainers imported before ``patch_model`` was called.
+    automatically in every TRL trainer built around it, and so does that trainer's reference model.
 
     Example::
 
@@ -179,8 +189,9 @@ def patch_trl() -> list[str]:
 
 
 def route_patched_models() -> list[str]:
-    """Called by ``patch_model``: TRL trainer modules already imported send ``patch_model``ed models to memgrad's
-    head (other models keep TRL's)."""
+    """Called when a TRL trainer is built around a ``patch_model``ed model (``memgrad_hf.patches.trainer``): the TRL
+    trainer modules imported by then send that model (and its trainer's reference model) to memgrad's head; other
+    models keep TRL's."""
     return _install("loaded")
 
 

@@ -5,7 +5,6 @@ Nothing here does arithmetic; the math lives in :mod:`memgrad_hf.kernels` behind
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -13,9 +12,10 @@ from torch import nn
 
 from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.patches.head import is_head_patched, patch_head, unpatch_head
-from memgrad_hf.patches.trainer import hook_trainer_compute_loss
+from memgrad_hf.patches.trainer import hook_trainer_compute_loss, hook_trainer_init
 
 hook_trainer_compute_loss()  # Trainer's label smoothing runs through the chunked head of a patched model
+hook_trainer_init()  # a TRL trainer built around a patched model installs memgrad's fused head
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
@@ -72,10 +72,6 @@ def patch_model(
         if titans is not None:
             remove_titans(target)
         raise
-    if head and "trl" in sys.modules:  # TRL trainers imported: their fused head becomes memgrad's for this model
-        from memgrad_hf.grpo.fused_head import route_patched_models
-
-        route_patched_models()
     return model
 
 

@@ -104,3 +104,30 @@ def hook_trainer_compute_loss() -> None:
     compute_loss._memgrad_head = True  # type: ignore[attr-defined]
     Trainer.compute_loss = compute_loss
     Trainer.prediction_step = prediction_step
+
+
+def _is_trl_trainer(trainer: Any) -> bool:
+    return any(cls.__module__.startswith("trl.") for cls in type(trainer).__mro__)
+
+
+def hook_trainer_init() -> None:
+    """Idempotent; called by ``import memgrad_hf``. TRL loads a trainer's module on first use (``from trl import
+    GRPOTrainer``), often after ``patch_model``: when a TRL trainer is built around a patched model, the fused head its
+    ``__init__`` installs next (after ``Trainer.__init__``) becomes memgrad's, whatever the import order."""
+    from transformers import Trainer
+
+    original = Trainer.__init__
+    if getattr(original, "_memgrad_route", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if _is_trl_trainer(self):
+            from memgrad_hf.grpo.fused_head import is_memgrad_patched, route_patched_models
+
+            if isinstance(self.model, nn.Module) and is_memgrad_patched(self.model):
+                route_patched_models()
+
+    __init__._memgrad_route = True  # type: ignore[attr-defined]
+    Trainer.__init__ = __init__
