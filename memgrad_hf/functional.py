@@ -454,6 +454,7 @@ def linear_logprobs(
     chunk_size: int | None = None,
     accum_dtype: torch.dtype | None = None,
     diagnostics: dict | None = None,
+    weight_grad_consumer: Any = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token ``log softmax(z)[token]`` (and entropy of ``softmax(z)``) with ``z = epilogue(hidden @ weight.T
     + bias) / temperature``, in chunks, differentiable with respect to hidden, weight and bias.
@@ -461,7 +462,8 @@ def linear_logprobs(
     Positions whose id equals ``ignore_index`` get log-prob 0 (and entropy 0) and cost nothing; pass
     ``ignore_index=None`` to score every position. Pass a dict as ``diagnostics`` to also receive, from the same
     pass and without gradient, ``mean_logits``, ``log_sum_sq_probs`` (log Σ p²) and ``is_top1`` (the token is the
-    first argmax) per position.
+    first argmax) per position. ``weight_grad_consumer`` is as in :func:`linear_cross_entropy`: the weight gradient
+    is handed to it in vocabulary blocks during backward (recomputed there) and never exists as a tensor.
 
     Returns:
         ``logp`` ``[...]`` fp32, or ``(logp, entropy)`` if ``return_entropy``.
@@ -476,10 +478,10 @@ def linear_logprobs(
     hv, tv, idx = _compact(h2, ids, ignore_index, weight.shape[0], "token_ids")
     tv = tv.long()
     ep = K.Epilogue.make(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
-    chunks = _stats_chunks(chunk_size, tv.numel(), hv, weight)
+    chunks = _stats_chunks(chunk_size, tv.numel(), hv, weight, weight_grad_consumer)
     diag = diagnostics is not None
     lse, zt, ent, zmean, sumsq, top1 = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunks, return_entropy, diag,
-                                                               acc, None, diag)
+                                                               acc, weight_grad_consumer, diag)
     logp = zt - lse
 
     def scatter(v: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.functional import linear_logprobs
-from memgrad_hf.patches.head import capture_head_input, head_operands
+from memgrad_hf.patches.head import capture_head_input, head_operands, head_patch, head_weight_consumer
 from memgrad_hf.patches.probe import LogitsProbe
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -89,6 +89,11 @@ def add_fused_lm_head(
         hidden, targets = hidden.to(weight_device), targets.to(weight_device)
         mask = targets != -100
         hidden, weight, bias, softcap, scale = head_operands(head, hidden, cap.owner, probe._chain, cap.linear)
+        # a patch_model()ed model: its chunk size and accumulator dtype, and a FORGE optimizer's block-wise update of
+        # the head weight (its gradient never exists), as in the patched model's own loss
+        patch = head_patch(self)
+        settings = {} if patch is None else dict(chunk_size=patch.chunk_size, accum_dtype=patch.accum_dtype,
+                                                  weight_grad_consumer=head_weight_consumer(patch, head, weight, bias))
         ctx = nullcontext()
         if cast_lm_head_to_fp32:
             hidden, weight = hidden.float(), weight.float()
@@ -98,7 +103,7 @@ def add_fused_lm_head(
         with ctx:
             res = linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
                                   logit_scale=scale, return_entropy=want_entropy, ignore_index=-100,
-                                  diagnostics=diag)
+                                  diagnostics=diag, **settings)
         log_probs, entropy = res if want_entropy else (res, None)
         extra = {k: (diag[k] if k in want_diag else None) for k in ("log_sum_sq_probs", "mean_logits", "is_top1")}
         denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch

@@ -327,7 +327,7 @@ def _require_whole(weight: torch.Tensor, owner: str) -> None:
 def _chunked_cross_entropy(head: nn.Module, cap: _Capture, patch: HeadPatch, chain: Chain, hidden: torch.Tensor,
                            targets: torch.Tensor, **loss_kwargs: Any) -> torch.Tensor:
     h, weight, bias, softcap, scale = head_operands(head, hidden, cap.owner, chain, cap.linear)
-    consumer = _consumer(patch, head, weight, bias)
+    consumer = head_weight_consumer(patch, head, weight, bias)
     return linear_cross_entropy(
         h, weight, targets, bias=bias, softcap=softcap, logit_scale=scale, chunk_size=patch.chunk_size,
         accum_dtype=patch.accum_dtype, weight_grad_consumer=consumer,
@@ -373,8 +373,9 @@ def _chunked_own_cross_entropy(
                                   label_smoothing=label_smoothing, reduction=reduction)
 
 
-def _consumer(patch: HeadPatch, head: nn.Module, weight: torch.Tensor, bias: Any) -> Any:
-    """A FORGE consumer only for a plain head weight (no LoRA delta, no vocab slice, no bias)."""
+def head_weight_consumer(patch: HeadPatch, head: nn.Module, weight: torch.Tensor, bias: Any) -> Any:
+    """A FORGE consumer of the head weight's gradient in vocabulary blocks, only for a plain head weight (no LoRA
+    delta, no vocab slice, no bias, no fp32 copy); None otherwise."""
     if patch.weight_consumer_factory is None or bias is not None:
         return None
     if not isinstance(weight, nn.Parameter) or weight is not getattr(head, "weight", None):
@@ -526,9 +527,14 @@ def set_head_weight_consumer(model: nn.Module, factory: Any) -> bool:
     return True
 
 
-def is_head_patched(model: nn.Module) -> bool:
+def head_patch(model: nn.Module) -> HeadPatch | None:
+    """The chunked-head settings of a ``patch_model``ed ``model`` (None if it is not, or no longer, patched)."""
     patch: HeadPatch | None = getattr(model, _ATTR, None)
-    return patch is not None and patch.active
+    return patch if patch is not None and patch.active else None
+
+
+def is_head_patched(model: nn.Module) -> bool:
+    return head_patch(model) is not None
 
 
 @contextmanager

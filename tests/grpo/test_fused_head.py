@@ -6,6 +6,7 @@ import pytest
 import torch
 from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head
 
+import memgrad_hf
 from memgrad_hf.grpo import add_fused_lm_head
 from tests.tiny_models import VOCAB, tiny_model, with_word_scaled_head
 
@@ -188,3 +189,62 @@ def test_unpatch_model_under_a_later_fused_head_keeps_it_and_restores_stock_beha
     torch.testing.assert_close(plain.loss, stock.loss, rtol=0, atol=0)
     memgrad_hf.patch_model(model)  # and can be patched again
     assert is_head_patched(model) and model(input_ids=ids, labels=ids).logits is None
+
+
+def test_patch_model_settings_reach_the_fused_head():
+    # TRL's trainers score a patch_model()ed model through the fused head: its chunk_size is honoured there too
+    from tests.helpers import LargestTensor
+
+    ids = torch.randint(1, VOCAB, (2, 40))
+    largest = []
+    for chunk_size in (None, 4):
+        model = tiny_model("llama").train()
+        memgrad_hf.patch_model(model, chunk_size=chunk_size)
+        add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+        with LargestTensor() as lt:
+            _run(model, ids, ids)
+        largest.append(lt.max_numel)
+    assert largest[0] >= 2 * 39 * VOCAB  # the automatic chunk takes these 78 tokens at once
+    assert largest[1] <= 64 * VOCAB  # (the weights and their gradients, 32 x 101, are the next largest)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05], ids=["no_clip", "exact_clip"])
+def test_forge_updates_the_head_in_vocabulary_blocks_through_the_fused_head(monkeypatch, max_grad_norm):
+    # FORGE takes the head weight's gradient from the fused head (TRL's GRPO / SFT / DPO path) in vocabulary blocks,
+    # as from the patched model's own loss: it never exists, and the weights equal torch.optim.AdamW's
+    from memgrad_hf.kernels import head as KH
+    from memgrad_hf.optim import ForgeAdamW
+
+    walks = []
+    real_walk = KH.head_backward_vocab_blocks
+    monkeypatch.setattr(KH, "head_backward_vocab_blocks", lambda *a, **k: (walks.append(1), real_walk(*a, **k))[1])
+    model = memgrad_hf.patch_model(tiny_model("llama").train())
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        add_fused_lm_head(m, temperature=0.7, outputs=("log_probs", "entropy"))
+    grads = []  # (registered before FORGE's own hook: sees a gradient before FORGE would apply and drop it)
+    model.lm_head.weight.register_post_accumulate_grad_hook(lambda p: grads.append(p.grad))
+    # (the head's vocabulary-block backward sums the hidden-state gradient in another order than its token-chunk one:
+    # AdamW's g / (|g| + eps) would turn that rounding, on elements whose gradient cancels to ~0, into lr-sized noise)
+    hp = dict(lr=1e-2, weight_decay=0.1, eps=1e-4)
+    opt = ForgeAdamW(model.parameters(), model=model, max_grad_norm=max_grad_norm, **hp)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **hp)
+    for step in range(3):
+        ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            out = m(input_ids=ids, labels=ids, fused_lm_head=True)
+            adv = torch.linspace(-1, 1, out.log_probs.numel()).reshape(out.log_probs.shape)
+            loss = -(out.log_probs * adv).mean() - 0.1 * out.entropy.mean()
+            if o is opt:
+                opt.backward(loss)
+            else:
+                loss.backward()
+                if max_grad_norm:
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+            o.step()
+            o.zero_grad()
+    opt.detach()
+    assert walks and all(g is None for g in grads)  # the head's gradient went to FORGE in blocks, never whole
+    for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
+        err = (a - b).abs().max().item()
+        assert err <= 1e-5 * b.abs().max().item() + 1e-7, (name, err)

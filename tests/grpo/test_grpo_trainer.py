@@ -150,13 +150,15 @@ def test_grpo_with_forge_adamw_equals_adamw_torch(tmp_path):
     assert ours[1] == pytest.approx(ref[1], rel=1e-4)  # FORGE logs the real norm it measured in backward
 
 
-@pytest.mark.parametrize("accumulation", [1, 2], ids=["one_micro_batch", "accumulation_2"])
-def test_grpo_with_forge_adamw_and_exact_clipping_equals_adamw_torch(tmp_path, accumulation):
-    # GRPO computes its loss outside the model: exact clipping's norm pass hooks in at Accelerator.backward; the
-    # LM head's gradient comes from TRL's fused head through autograd (a fused weight used outside its module)
+@pytest.mark.parametrize("accumulation,via_patch_model", [(1, False), (2, False), (1, True), (2, True)],
+                         ids=["one_micro_batch", "accumulation_2", "patch_model", "patch_model_accumulation_2"])
+def test_grpo_with_forge_adamw_and_exact_clipping_equals_adamw_torch(tmp_path, accumulation, via_patch_model):
+    # GRPO computes its loss outside the model: exact clipping's norm pass hooks in at Accelerator.backward. After
+    # patch_trl() the LM head's gradient comes from the fused head through autograd (a fused weight used outside its
+    # module); for a patch_model()ed model FORGE takes it in vocabulary blocks, as from the model's own loss
     import memgrad_hf  # noqa: F401  (registers forge_adamw)
 
-    kw = dict(max_grad_norm=0.01, gradient_accumulation_steps=accumulation)
+    kw = dict(max_grad_norm=0.01, gradient_accumulation_steps=accumulation, via_patch_model=via_patch_model)
     ref = _run(tmp_path / "a", "dapo", patched=True, optim="adamw_torch", **kw)
     ours = _run(tmp_path / "f", "dapo", patched=True, optim="forge_adamw", **kw)
     assert max(ref[1]) > 0.01  # clipping was active
