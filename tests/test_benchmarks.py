@@ -108,3 +108,12 @@ def test_peak_memory_measurement_reads_the_run_alone():
     assert out["ok"] and 240 <= out["added_mib"] <= 300, out
     with pytest.raises(ValueError, match="fresh process"):  # in this process only where the allocator counts
         peak_added_mib(Case("alloc", _alloc_setup, _alloc_run, {"mib": 1}), "cpu", in_process=True)
+
+
+def test_bench_grpo_step_runs_through_the_cli(capsys):
+    rc = cli.main(["bench", "grpo_step", "--completions", "2", "--length", "8", "--hidden", "32", "--vocab", "256",
+                   "--steps", "1", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [line for line in out.splitlines() if line.startswith(("| adamw_torch", "| forge_adamw"))]
+    assert len(rows) == 3 and "—" not in out, out
