@@ -436,8 +436,10 @@ def validate(model: nn.Module) -> None:
     head = model.get_output_embeddings()
     if head is None:
         raise UnsupportedModelError(
-            f"{owner} has no output embeddings (get_output_embeddings() is None): pass the *ForCausalLM class, "
-            "not the bare backbone."
+            f"{owner} has no output embeddings (get_output_embeddings() is None), so no LM head to chunk: pass the "
+            "*ForCausalLM model, not the bare backbone. A model with a scoring head (a reward model, "
+            "*ForSequenceClassification) builds no [tokens x vocab] logits; patch_model(model, head=False) still "
+            "adds Titans memory to it."
         )
     if "labels" not in inspect.signature(type(model).forward).parameters:
         raise UnsupportedModelError(f"{owner}.forward takes no `labels`; it is not a causal LM with a loss.")

@@ -244,6 +244,11 @@ def test_unsupported_models_raise_named_errors():
         memgrad_hf.patch_model(backbone)
     with pytest.raises(UnsupportedModelError, match="nn.Module"):
         memgrad_hf.patch_model("not a model")
+    from transformers import LlamaForSequenceClassification
+
+    reward_model = LlamaForSequenceClassification(tiny_model("llama").config)
+    with pytest.raises(UnsupportedModelError, match=r"scoring head.*head=False"):
+        memgrad_hf.patch_model(reward_model)
 
     model = tiny_model("llama")
     model.loss_function = lambda *a, **k: None
