@@ -90,7 +90,8 @@ def add_fused_lm_head(
         mask = targets != -100
         hidden, weight, bias, softcap, scale = head_operands(head, hidden, cap.owner, probe._chain, cap.linear)
         # a patch_model()ed model: its chunk size and accumulator dtype, and a FORGE optimizer's block-wise update of
-        # the head weight (its gradient never exists), as in the patched model's own loss
+        # the head weight (its gradient never exists), as in the patched model's own loss. Taken before the fp32 cast:
+        # the blocks of the copy's gradient are the weight's, in fp32 (autograd would round them to the weight dtype)
         patch = head_patch(self)
         settings = {} if patch is None else dict(chunk_size=patch.chunk_size, accum_dtype=patch.accum_dtype,
                                                   weight_grad_consumer=head_weight_consumer(patch, head, weight, bias))

@@ -374,8 +374,8 @@ def _chunked_own_cross_entropy(
 
 
 def head_weight_consumer(patch: HeadPatch, head: nn.Module, weight: torch.Tensor, bias: Any) -> Any:
-    """A FORGE consumer of the head weight's gradient in vocabulary blocks, only for a plain head weight (no LoRA
-    delta, no vocab slice, no bias, no fp32 copy); None otherwise."""
+    """A FORGE consumer of the head weight's gradient in vocabulary blocks, only when ``weight`` is the head's own
+    Parameter (no LoRA delta, no vocabulary slice or scaled copy) and there is no bias; None otherwise."""
     if patch.weight_consumer_factory is None or bias is not None:
         return None
     if not isinstance(weight, nn.Parameter) or weight is not getattr(head, "weight", None):
