@@ -260,8 +260,9 @@ def _cache_length(cache: Any, index: int) -> int:
 
 
 def _checkpointing(layer: nn.Module) -> bool:
-    """Whether transformers checkpoints this layer's forward in this call (then it also drops the KV cache)."""
-    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
+    """Whether transformers checkpoints this layer's forward in this call (then it also drops the KV cache): as
+    ``GradientCheckpointingLayer`` decides, so not under ``no_grad`` (``generate`` from a model in train mode)."""
+    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training and torch.is_grad_enabled()
 
 
 def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -94,6 +94,19 @@ def test_generate_cached_equals_uncached_and_resets(family):
     assert torch.equal(cached, model.generate(ids, use_cache=True, **kw))  # state reset between sequences
 
 
+def test_generate_in_train_mode_with_checkpointing_keeps_the_memory():
+    # generate() runs under no_grad: transformers then neither checkpoints a layer nor drops its KV cache, and the
+    # memory must follow the cache too (a Trainer callback, or GRPO-style sampling, from a model in train mode)
+    model = _activate(_patched("llama", layers=(0, 1)))
+    ids = _ids(n=6)
+    kw = dict(max_new_tokens=9, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, use_cache=True, **kw)  # eval mode
+    enable_checkpointing(model)
+    model.train()
+    assert torch.equal(model.generate(ids, use_cache=True, **kw), expected)
+    assert torch.equal(model.generate(ids, use_cache=False, **kw), expected)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_segments_through_a_cache_equal_one_forward(family):
     model = _activate(_patched(family))
