@@ -10,7 +10,7 @@ USAGE = """usage: memgrad-hf <command> [options]
 
 commands:
   demo             train a small model with and without memgrad_hf and print the comparison table
-  bench NAME       run benchmarks/NAME.py from a source checkout (head, forge, grpo, titans, evaluate, compat)
+  bench NAME       run benchmarks/NAME.py from a source checkout (`memgrad-hf bench` lists them)
 """
 
 

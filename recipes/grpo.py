@@ -47,6 +47,15 @@ def gsm8k_rows(name: str) -> list[dict]:
     return [{"prompt": r["question"] + suffix, "answer": r["answer"].split("####")[-1].strip()} for r in ds]
 
 
+def _no_checkpointing(config_cls: type) -> dict:
+    """Activation checkpointing off (TRL's configs turn it on), under the installed transformers' name for it
+    (``activation_checkpointing`` since 5.24, where ``gradient_checkpointing`` is deprecated)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": False}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="hub name or path; default: tiny offline model")
@@ -95,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         output_dir=a.output_dir, per_device_train_batch_size=a.batch, num_generations=a.num_generations,
         max_completion_length=a.max_completion_length, max_steps=a.max_steps, learning_rate=a.learning_rate,
         logging_steps=1, report_to="none", save_strategy="no", bf16=a.bf16, use_cpu=not torch.cuda.is_available(),
-        gradient_checkpointing=False, optim=a.optim,
+        optim=a.optim, **_no_checkpointing(GRPOConfig),
         optim_args=(a.optim_args or None) if a.optim.startswith("forge") else None,
         use_vllm=False, disable_tqdm=True,
     )

@@ -24,9 +24,10 @@ class MemoryReportCallback(TrainerCallback):
     Example::
 
         from memgrad_hf.callbacks import MemoryReportCallback
-        trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[MemoryReportCallback()])
+        report = MemoryReportCallback()
+        trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[report])
         trainer.train()
-        print(trainer.state.log_history[-2]["peak_mem_mb"], trainer.callback_handler.callbacks[-1].summary)
+        print(report.summary)  # every log entry also carries peak_mem_mb, peak_added_mem_mb, ...
     """
 
     def __init__(self) -> None:

@@ -9,6 +9,7 @@ logits on any device (TRL's CPU fallback builds several full ``[tokens x vocab]`
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 import types
 from contextlib import nullcontext
@@ -20,6 +21,8 @@ from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.functional import linear_logprobs
 from memgrad_hf.patches.head import capture_head_input, head_operands, head_patch, head_weight_consumer
 from memgrad_hf.patches.probe import LogitsProbe
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
@@ -135,19 +138,54 @@ def is_memgrad_patched(model: Any) -> bool:
     return is_head_patched(_causal_lm(model)) or is_head_patched(model)
 
 
-def _policy_patched(caller: Any) -> bool:
-    """Whether the trainer whose ``__init__`` is ``caller`` (a frame) trains a ``patch_model``ed policy. TRL installs
-    the head on the policy, then on ``self.ref_model``: the reference of a patched policy gets memgrad's head too, so
-    both score with the same kernels (log-ratios exactly 0 while the weights are equal, as with TRL's head on both)."""
+def _patched_policy(caller: Any) -> torch.nn.Module | None:
+    """The ``patch_model``ed causal LM the trainer whose ``__init__`` is ``caller`` (a frame) trains, or None. TRL
+    installs the head on the policy, then on ``self.ref_model``: the reference of a patched policy gets memgrad's head
+    too, so both score with the same kernels (log-ratios exactly 0 while the weights are equal, as with TRL's head on
+    both)."""
+    from memgrad_hf.patches import _causal_lm
+
     trainer = caller.f_locals.get("self") if caller is not None else None
     policy = getattr(trainer, "model", None)
-    return isinstance(policy, torch.nn.Module) and is_memgrad_patched(policy)
+    if not isinstance(policy, torch.nn.Module) or not is_memgrad_patched(policy):
+        return None
+    return _causal_lm(policy)
+
+
+def _mirror_titans(policy: torch.nn.Module, model: torch.nn.Module) -> None:
+    """TRL builds a reference model from the policy's path with a plain ``from_pretrained``, which drops a Titans
+    memory (its keys are "unexpected"): the reference gets the policy's memory branches, with the policy's weights
+    (at trainer creation, before any update), so that it scores what the policy started as."""
+    from memgrad_hf.patches.titans import CONFIG_ATTR, inject_titans, is_titans_patched
+    from memgrad_hf.titans import titans_state_dict
+
+    if model is policy or not is_titans_patched(policy) or is_titans_patched(model):
+        return
+    trainable = any(p.requires_grad for p in model.parameters())
+    inject_titans(model, getattr(policy.config, CONFIG_ATTR))
+    memory = titans_state_dict(policy)
+    unexpected = model.load_state_dict(memory, strict=False).unexpected_keys
+    if unexpected:
+        raise UnsupportedModelError(
+            f"the reference model ({type(model).__name__}) does not take the policy's Titans memory "
+            f"({unexpected[:3]}...): pass a reference with the same architecture, loaded with "
+            "memgrad_hf.titans.from_pretrained."
+        )
+    for name, p in model.named_parameters():
+        if name in memory:
+            p.requires_grad_(trainable)
+    logger.warning("memgrad_hf: the reference model %s had no Titans memory (TRL loads it from the path without it): "
+                   "it now has the policy's, as the policy was when the trainer was built.", type(model).__name__)
 
 
 def _dispatch(model: Any, *args: Any, **kwargs: Any) -> Any:
     """What TRL's trainers call: memgrad's head for every model after ``patch_trl()``, else for ``patch_model``ed
-    models and the other models of a trainer whose policy is one; TRL's own otherwise."""
-    if _ALL_MODELS["on"] or is_memgrad_patched(model) or _policy_patched(sys._getframe(1)):
+    models and the other models of a trainer whose policy is one (which also get its Titans memory); TRL's own
+    otherwise."""
+    policy = None if is_memgrad_patched(model) else _patched_policy(sys._getframe(1))
+    if policy is not None:
+        _mirror_titans(policy, model)
+    if _ALL_MODELS["on"] or is_memgrad_patched(model) or policy is not None:
         return add_fused_lm_head(model, *args, **kwargs)
     original = next(iter(_ORIGINALS.values()))
     return original(model, *args, **kwargs)

@@ -474,10 +474,14 @@ def linear_weight_step(
     seed: int = 0,
     exact_norm: bool = True,
     sums: tuple[Tensor, Tensor] | None = None,
+    coef: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    """Update ``w`` and its state ``st`` in place with ``rule`` applied to ``dW = dyᵀ·x (+ acc)``, one row block at
-    a time; returns ``(Σ dW², tiles skipped)`` (added into ``sums`` and returned if given). Tiles with a non-finite
-    value are not applied (nor is their state).
+    """Update ``w`` and its state ``st`` in place with ``rule`` applied to ``dW = coef·(dyᵀ·x (+ acc))``, one row
+    block at a time; returns ``(Σ dW², tiles skipped)`` (added into ``sums`` and returned if given). Tiles with a
+    non-finite value are not applied (nor is their state). With fp32 activations each tile is scaled by ``coef``
+    (clipping) as :func:`update_step` scales a given gradient: a tile kept for a clipping replay and one formed again
+    here give the same update, bit for bit. With bf16 / fp16 activations ``dy`` is scaled before the GEMM, as the
+    Triton kernels do.
 
     The torch twin of :func:`memgrad_hf.kernels.forge_triton.linear_weight_step` (same signature, plus
     ``exact_norm``: see :func:`norm_sq`)."""
@@ -485,7 +489,12 @@ def linear_weight_step(
     norm = torch.zeros((), dtype=torch.float64, device=w.device)
     bad = torch.zeros((), dtype=torch.int32, device=w.device)
     names = RULES[rule][1]
+    scale_dy = coef != 1.0 and dy.dtype != torch.float32
+    if scale_dy:
+        dy, acc = dy * coef, None if acc is None else acc * coef
     for r0, r1, tile in linear_weight_tiles(dy, x, rows, acc, w.dtype):
+        if coef != 1.0 and not scale_dy:
+            tile = tile * coef
         tile_sq = norm_sq(tile, exact_norm)  # finite for every finite fp32 tile, so it doubles as the finiteness check
         norm += tile_sq
         if not bool(torch.isfinite(tile_sq)):

@@ -287,6 +287,13 @@ def _kind(t: Tensor) -> int:
     raise ValueError(f"the Triton FORGE kernel takes fp32, bf16 or 8-bit optimizer state; got {t.dtype}")
 
 
+def _scaled(dy: Tensor, acc: Tensor | None, coef: float) -> tuple[Tensor, Tensor | None]:
+    # clipping scales dY (dW is linear in it) before the kernel: its GEMM then yields the clipped dW directly
+    if coef == 1.0:
+        return dy, acc
+    return dy * coef, None if acc is None else acc * coef
+
+
 def linear_weight_step(
     rule: str,
     dy: Tensor,
@@ -300,13 +307,15 @@ def linear_weight_step(
     stochastic_rounding: bool = False,
     seed: int = 0,
     sums: tuple[Tensor, Tensor] | None = None,
+    coef: float = 1.0,
     **_: Any,
 ) -> tuple[Tensor, Tensor]:
-    """Same contract as the torch twin: update ``w`` and ``st`` in place from ``dW = dyᵀx (+ acc)``; returns
+    """Same contract as the torch twin: update ``w`` and ``st`` in place from ``dW = coef·(dyᵀx (+ acc))``; returns
     ``(Σ dW², number of tiles skipped for non-finite values)`` as device tensors (``sums``, fp32 and int32, added
     into and returned if given: no allocation per call). State in fp32, bf16 or 8-bit
     (``st`` then also holds ``<name>.scale``); bf16 weights rounded to nearest or, with ``stochastic_rounding``,
     stochastically with the twin's noise (a hash of ``seed`` and the element index)."""
+    dy, acc = _scaled(dy, acc, coef)
     ra = _rule_args(rule, hp, step)
     n, out_f = dy.shape
     in_f = x.shape[1]
@@ -360,6 +369,7 @@ def linear_weight_step_split(
     stochastic_rounding: bool = False,
     seed: int = 0,
     sums: tuple[Tensor, Tensor] | None = None,
+    coef: float = 1.0,
     **_: Any,
 ) -> tuple[Tensor, Tensor]:
     """:func:`linear_weight_step` split in two: each row tile of ``dW = dyᵀx (+ acc)`` by the library GEMM (cuBLAS
@@ -367,6 +377,7 @@ def linear_weight_step_split(
     launches and one ``rows_per_tile``-row tile of ``dW`` in memory per tile, where the fused kernel keeps ``dW`` in
     registers; the choice when its tensor-core GEMM is slower than the library's (``optim_args="kernel=split"``).
     Same contract and signature as the torch twin :func:`memgrad_hf.kernels.forge.linear_weight_step`."""
+    dy, acc = _scaled(dy, acc, coef)
     names = K.RULES[rule][1]
     sums = _sums(sums, w.device)
     rows = rows_per_tile or K.row_tiles(w.shape[0], w.shape[1])

@@ -540,17 +540,21 @@ class ForgeOptimizer(Optimizer):
             return
         if self._mode == "norm":
             acc, rows = self._accumulated(weight), self._linear_rows(weight)
+            # the norm without forming dW where that takes fewer flops, whether or not the tiles are kept: keeping
+            # follows the memory headroom, which a resumed run sees differently, and must not change the norm
+            gram = acc is None and K.gram_pays(dy.shape[0], dy.shape[1], x.shape[1])
+            if gram:
+                self._norm_sq += K.linear_grad_norm_sq(dy, x)
             if self._replays is not None and self._may_keep(weight):
                 # the tiles stay for the replay (no second dW GEMM): memory the step has already used
                 kept = []
                 for r0, r1, tile in K.linear_weight_tiles(dy, x, rows, None, weight.dtype):
-                    self._measure(tile if acc is None else tile + acc[r0:r1])
+                    if not gram:
+                        self._measure(tile if acc is None else tile + acc[r0:r1])
                     kept.append((r0, r1, tile))
                 self._record(self._apply_tiles, weight, kept)
                 return
-            if acc is None and K.gram_pays(dy.shape[0], dy.shape[1], x.shape[1]):
-                self._norm_sq += K.linear_grad_norm_sq(dy, x)  # the norm without forming dW: fewer flops here
-            else:
+            if not gram:
                 for _, _, tile in K.linear_weight_tiles(dy, x, rows, acc, weight.dtype):
                     self._measure(tile)
             self._record(self._linear_weight_backward, weight, dy, x)
@@ -562,9 +566,6 @@ class ForgeOptimizer(Optimizer):
         plan = self._linear_plan(weight)
         self._note_update(weight)
         step = _next_step(plan.state)
-        if coef != 1.0:  # dW is linear in dY: clip by scaling dY (and the accumulated part)
-            dy = dy * coef
-            acc = None if acc is None else acc * coef
         sums = self._sums(weight.device)
         seed = _noise_seed(plan.position, step)
         # backward runs without grad mode (unless create_graph): entering no_grad per layer costs ~2 µs of host time
@@ -573,6 +574,7 @@ class ForgeOptimizer(Optimizer):
                 self.rule, dy, x, weight.data, plan.rule_state, self._hp(weight), step, acc,
                 rows_per_tile=plan.rows, stochastic_rounding=self.stochastic_rounding, seed=seed,
                 sums=sums if coef == 1.0 else None, exact_norm=self._exact_norm,  # (the Triton kernels ignore it)
+                coef=coef,
             )
         if coef != 1.0:  # the clipped dY gave the clipped norm: log the unclipped one
             sums[0].add_(norm_sq.to(sums[0].dtype) / (coef * coef))

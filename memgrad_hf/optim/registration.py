@@ -100,13 +100,14 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             )
     if kwargs["max_grad_norm"] > 0:
         log.warning(
-            "%s: max_grad_norm=%s is applied exactly%s. Set max_grad_norm=0 to skip clipping.",
+            "%s: max_grad_norm=%s is applied %s. Set max_grad_norm=0 to skip clipping.",
             name, kwargs["max_grad_norm"],
-            " (previous step's norm: optim_args clip=previous)" if kwargs.get("clip") == "previous"
-            else " (the norm is measured before any update: weight-gradient tiles are kept for the updates where "
-                 "they fit under the peak memory so far, else formed twice; with clip_pass=backward and by default "
-                 "under gradient checkpointing, the whole backward runs twice; optim_args='clip=previous' uses the "
-                 "previous step's norm instead)",
+            "approximately: with the previous step's norm (optim_args clip=previous; the first step is not clipped)"
+            if kwargs.get("clip") == "previous"
+            else "exactly (the norm is measured before any update: weight-gradient tiles are kept for the updates "
+                 "where they fit under the peak memory so far, else formed twice; with clip_pass=backward and by "
+                 "default under gradient checkpointing, the whole backward runs twice; optim_args='clip=previous' uses "
+                 "the previous step's norm instead)",
         )
     return cls, kwargs
 

@@ -210,3 +210,31 @@ def test_sft_trainer_through_memgrad_head_has_the_exact_gradient(tmp_path):
     trainer.train()
     assert seen["err"] < 1e-5, seen
     assert "mean_token_accuracy" in trainer.state.log_history[0]  # the metrics came through the fused head too
+
+
+def test_reference_model_of_a_titans_policy_gets_its_memory(tmp_path):
+    # TRL loads the reference from the policy's path with a plain from_pretrained, which drops a Titans memory: it
+    # gets the policy's (GRPO's KL is then exactly 0 at step 1, as for any policy equal to its reference)
+    import memgrad_hf
+    from memgrad_hf.patches.titans import is_titans_patched, titans_branches
+    from memgrad_hf.titans import TitansConfig
+    from memgrad_hf.titans import from_pretrained as titans_from_pretrained
+
+    model, tok = _model_and_tokenizer(tmp_path, from_path=False)
+    memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[-1], heads=2, chunk_size=4))
+    with torch.no_grad():  # a trained memory: it changes the outputs
+        for branch in titans_branches(model).values():
+            branch.out.weight.copy_(torch.randn(branch.out.weight.shape, generator=torch.Generator().manual_seed(3)))
+    model.save_pretrained(tmp_path / "init")
+    tok.save_pretrained(tmp_path / "init")
+    model = memgrad_hf.patch_model(titans_from_pretrained(tmp_path / "init"))
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, max_steps=1, logging_steps=1, report_to="none", save_strategy="no",
+                      bf16=False, use_vllm=False, disable_tqdm=True, beta=0.04, seed=0)
+    trainer = GRPOTrainer(model=model, args=args, reward_funcs=_reward, train_dataset=Dataset.from_dict(
+        {"prompt": ["abc", "1+2=", "def", "9-3="]}), processing_class=tok)
+    assert is_titans_patched(trainer.ref_model)
+    for a, b in zip(titans_branches(trainer.ref_model).values(), titans_branches(model).values(), strict=True):
+        assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    trainer.train()
+    assert trainer.state.log_history[0]["kl"] == 0.0

@@ -261,6 +261,27 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, extra):
         assert torch.equal(p, q), n
 
 
+def test_checkpoint_resume_is_bit_identical_when_the_memory_headroom_differs(tmp_path, monkeypatch):
+    # exact clipping keeps a layer's gradient tiles for its update where memory allows, else forms them again; a
+    # resumed process sees another headroom, so both ways must give the same norm and update, bit for bit
+    import memgrad_hf.optim.forge as F
+
+    torch.manual_seed(0)
+    full = tiny_model("llama")
+    part = copy.deepcopy(full)
+    monkeypatch.setattr(F, "_headroom", lambda device: 1 << 40)  # every tile kept
+    _, _, grad_norms = _train(full, _args(tmp_path / "full", "forge_adamw", max_steps=4, max_grad_norm=0.05))
+    assert min(grad_norms) > 0.05  # clipping was active at every step
+    monkeypatch.setattr(F, "_headroom", lambda device: 0)  # every tile formed again
+    args = _args(tmp_path / "part", "forge_adamw", max_steps=4, max_grad_norm=0.05, save_strategy="steps", save_steps=2)
+    Trainer(model=part, args=args, train_dataset=_data()).train()
+    resumed_model = tiny_model("llama", seed=123)
+    Trainer(model=resumed_model, args=args, train_dataset=_data()).train(
+        resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-2"))
+    for (n, p), q in zip(resumed_model.named_parameters(), full.parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
 def test_load_state_dict_into_the_same_optimizer_rewinds_exactly():
     """An optimizer that has already stepped loads an earlier state (its own, saved) and the model's weights from
     then: the next step repeats the original one bit for bit. The optimizer resolves each linear weight's update
