@@ -18,7 +18,16 @@ import sys
 
 import torch
 
-from benchmarks.harness import FRESH_HELP, Case, machine, peak_added_mib, profile_once, time_interleaved, versions
+from benchmarks.harness import (
+    FRESH_HELP,
+    Case,
+    machine,
+    peak_added_mib,
+    print_peer_table,
+    profile_once,
+    time_interleaved,
+    versions,
+)
 
 PEERS = ("full_logits", "trl", "memgrad", "memgrad_torch")
 
@@ -94,16 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     mem = {c.name: peak_added_mib(c, a.device, a.threads, in_process=a.device.startswith("cuda") and not a.fresh)
            for c in cases}
     times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=1)
-    ref_m, ref_t = mem.get("trl"), times.get("trl")
-    print("| peer | peak added (MiB) | vs TRL | time min / median (ms) | vs TRL |\n|---|---:|---:|---:|---:|")
-    for c in cases:
-        m, t = mem[c.name], times.get(c.name)
-        if not m["ok"] or not isinstance(t, tuple):
-            print(f"| {c.name} | — | | {m.get('error') if not m['ok'] else t} | |")
-            continue
-        rm = f"{m['added_mib'] / ref_m['added_mib']:.2f}x" if ref_m and ref_m["ok"] else ""
-        rt = f"{t[1] / ref_t[1]:.2f}x" if isinstance(ref_t, tuple) else ""
-        print(f"| {c.name} | {m['added_mib']:.0f} | {rm} | {t[0] * 1e3:.0f} / {t[1] * 1e3:.0f} | {rt} |", flush=True)
+    print_peer_table(cases, mem, times, "trl", "TRL", "ms", scale=1e3, digits=0)
     if a.profile:
         print("".join(profile_once(c, a.device) for c in cases if isinstance(times.get(c.name), tuple)))
     return 0

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions
+from benchmarks.harness import Case, machine, peak_added_mib, print_peer_table, time_interleaved, versions
 
 PEERS = ("adamw_torch", "forge_adamw_whole_head", "forge_adamw")
 
@@ -95,18 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [Case(peer, setup, run, dict(peer=peer, **kw)) for peer in a.peers]
     mem = {c.name: peak_added_mib(c, a.device, a.threads, in_process=a.device.startswith("cuda")) for c in cases}
     times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=1)
-    ref_m, ref_t = mem.get("adamw_torch"), times.get("adamw_torch")
-    print("| peer | peak added (MiB) | vs adamw_torch | s per run min / median | vs adamw_torch |\n"
-          "|---|---:|---:|---:|---:|")
-    for c in cases:
-        m, t = mem[c.name], times.get(c.name)
-        if not m["ok"] or not isinstance(t, tuple):
-            print(f"| {c.name} | — | | {m.get('error') if not m['ok'] else t} | |")
-            continue
-        rm = f"{m['added_mib'] / ref_m['added_mib']:.2f}x" if ref_m and ref_m["ok"] else ""
-        rt = f"{t[1] / ref_t[1]:.2f}x" if isinstance(ref_t, tuple) else ""
-        print(f"| {c.name} | {m['added_mib']:.0f} | {rm} | {t[0]:.2f} / {t[1]:.2f} | {rt} |", flush=True)
-    return 0 if all(m["ok"] for m in mem.values()) and all(isinstance(t, tuple) for t in times.values()) else 1
+    return 0 if print_peer_table(cases, mem, times, "adamw_torch", "adamw_torch", "s per run") else 1
 
 
 if __name__ == "__main__":

@@ -169,6 +169,27 @@ def time_interleaved(cases: list[Case], device: str = "cpu", repeats: int = 3, w
     return out
 
 
+def print_peer_table(cases: list[Case], mem: dict, times: dict, ref: str, ref_label: str, time_unit: str = "s",
+                     scale: float = 1.0, digits: int = 2) -> bool:
+    """Print peak memory and time side by side, with ratios to the peer ``ref``; return whether every peer ran.
+    ``mem``: :func:`peak_added_mib` results, ``times``: :func:`time_interleaved`'s, shown times ``x scale``."""
+    ref_m, ref_t = mem.get(ref), times.get(ref)
+    print(f"| peer | peak added (MiB) | vs {ref_label} | time min / median ({time_unit}) | vs {ref_label} |\n"
+          "|---|---:|---:|---:|---:|")
+    ok = True
+    for c in cases:
+        m, t = mem[c.name], times.get(c.name)
+        if not m["ok"] or not isinstance(t, tuple):
+            print(f"| {c.name} | — | | {m.get('error') if not m['ok'] else t} | |")
+            ok = False
+            continue
+        rm = f"{m['added_mib'] / ref_m['added_mib']:.2f}x" if ref_m and ref_m["ok"] else ""
+        rt = f"{t[1] / ref_t[1]:.2f}x" if isinstance(ref_t, tuple) else ""
+        print(f"| {c.name} | {m['added_mib']:.0f} | {rm} | {t[0] * scale:.{digits}f} / {t[1] * scale:.{digits}f} | "
+              f"{rt} |", flush=True)
+    return ok
+
+
 def profile_once(case: Case, device: str = "cpu", rows: int = 15) -> str:
     """Run ``case`` once as warm-up, then once under ``torch.profiler``; return a Markdown section with the ops that
     took the most time (device time on a GPU) and the number of host syncs: where a peer's time goes."""
