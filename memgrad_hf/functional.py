@@ -63,7 +63,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 weight_consumer=None):
         need = ctx.needs_input_grad
         ctx.weight_consumer = weight_consumer
-        loss, dx, dw, db = head_impl(hidden.device).fused_cross_entropy(
+        loss, dx, dw, db = head_impl(hidden.device, weight.dtype).fused_cross_entropy(
             hidden, weight, bias, targets, ep, token_weight,
             label_smoothing=eps, z_loss=zl, chunk_size=chunk,
             need_dx=need[0], need_dw=need[1], need_db=bias is not None and need[2],
@@ -77,8 +77,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor):
         if ctx.grads is None:
             raise RuntimeError(
-                "memgrad_hf: backward through the fused cross-entropy a second time; wrap the earlier backward in "
-                "memgrad_hf.functional.retain_head_grads() to keep its gradients."
+                "memgrad_hf: backward through the fused cross-entropy a second time (retain_graph=True, "
+                "torch.autograd.gradcheck): its gradients are computed in forward and handed to the first backward. "
+                "Pass grad_in_forward=False (recomputed in each backward), or wrap the earlier backward in "
+                "memgrad_hf.functional.retain_head_grads() to keep them."
             )
         dx, dw, db = ctx.grads
         retain = getattr(_RETAIN, "on", False)
@@ -143,7 +145,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
                 weight_consumer=None, need_diagnostics=False):
         ctx.weight_consumer = weight_consumer
         fwd_chunk, chunk = chunks  # tokens per chunk forward and backward (_stats_chunks)
-        st = head_impl(hidden.device).head_stats(hidden, weight, bias, targets, ep, chunk_size=fwd_chunk,
+        st = head_impl(hidden.device, weight.dtype).head_stats(hidden, weight, bias, targets, ep, chunk_size=fwd_chunk,
                                                  need_entropy=need_entropy, need_zmean=need_zmean,
                                                  need_sumsq=need_diagnostics, need_top1=need_diagnostics)
         ctx.save_for_backward(hidden, weight, bias, targets, st.lse, st.entropy)
@@ -164,19 +166,19 @@ class _ChunkedHeadStats(torch.autograd.Function):
             return (None,) * 11
         g_ent = g_ent if ent is not None else None
         zero = torch.zeros_like(lse)
-        alpha = g_lse.float() if g_lse is not None else zero
+        alpha = g_lse.to(lse.dtype) if g_lse is not None else zero
         beta = None
         if g_ent is not None:  # dH/dz_j = -p_j (log p_j + H)
-            g_ent = g_ent.float()
+            g_ent = g_ent.to(lse.dtype)
             alpha = alpha - g_ent * ent
             beta = -g_ent
-        gamma = None if g_zt is None else g_zt.float()
-        delta = None if g_zmean is None or g_zmean.numel() == 0 else g_zmean.float() / vocab
+        gamma = None if g_zt is None else g_zt.to(lse.dtype)
+        delta = None if g_zmean is None or g_zmean.numel() == 0 else g_zmean.to(lse.dtype) / vocab
         if ctx.weight_consumer is not None and need[1]:
             # the weight gradient goes to the consumer one vocabulary block at a time; autograd gets None for it
             consumer = ctx.weight_consumer
             kept = [] if getattr(consumer, "keep", None) is not None and consumer.keep() else None
-            walk = head_impl(hidden.device).head_backward_vocab_blocks
+            walk = head_impl(hidden.device, weight.dtype).head_backward_vocab_blocks
             args = (hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta,
                     consumer if kept is None else _keeping(consumer, kept))
             dx, _ = walk(*args, need_dx=need[0], need_db=bias is not None and need[2])
@@ -185,7 +187,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
             else:
                 _defer(consumer, functools.partial(walk, need_dx=False, need_db=bias is not None and need[2]), *args)
             return dx, None, None, None, None, None, None, None, None, None, None
-        dx, dw, db = head_impl(hidden.device).head_backward(
+        dx, dw, db = head_impl(hidden.device, weight.dtype).head_backward(
             hidden, weight, bias, targets, lse, ep, alpha, beta, gamma, delta,
             chunk_size=chunk, need_dx=need[0], need_dw=need[1], need_db=bias is not None and need[2],
             accum_dtype=accum_dtype,
@@ -264,7 +266,7 @@ def _compact(hidden2d: Tensor, ids: Tensor, ignore_index: int | None, vocab: int
 
 def _accum_dtype(weight: Tensor, accum_dtype: torch.dtype | None) -> torch.dtype:
     if accum_dtype is None:
-        return torch.float32
+        return K.compute_dtype(weight)
     if accum_dtype not in (torch.float32, weight.dtype):
         raise ValueError(
             f"accum_dtype must be torch.float32 or the weight's dtype ({weight.dtype}); got {accum_dtype}."
@@ -288,7 +290,7 @@ def _stats_chunks(chunk_size: int | None, n: int, hidden: Tensor, weight: Tensor
     if chunk_size is not None:
         return chunk_size, chunk_size
     vocab, dim = weight.shape
-    if not getattr(head_impl(hidden.device), "LOGITS_IN_WEIGHT_DTYPE", False):
+    if not getattr(head_impl(hidden.device, weight.dtype), "LOGITS_IN_WEIGHT_DTYPE", False):
         chunk = K.default_chunk_size(max(n, 1), dim, vocab)
         return chunk, chunk
     chunk = K.default_chunk_size(max(n, 1), dim, vocab, weight.element_size())
@@ -340,7 +342,7 @@ def linear_cross_entropy(
     reduction=...) + z_loss·mean(lse²)`` without ever building ``z``.
 
     Args:
-        hidden: ``[..., H]`` hidden states (fp32/bf16/fp16).
+        hidden: ``[..., H]`` hidden states (fp32/bf16/fp16/fp64).
         weight: ``[V, H]`` output-embedding matrix. ``bias``: optional ``[V]``.
         labels: ``[...]`` target ids, aligned with ``hidden`` (not shifted here); ``ignore_index`` is skipped.
         label_smoothing: ε of ``F.cross_entropy``. ``z_loss``: λ of the auxiliary ``λ·lse²`` term.
@@ -366,7 +368,8 @@ def linear_cross_entropy(
             held until backward and handed over from there (fewer flops, one ``[V x H]`` buffer meanwhile).
 
     Returns:
-        A scalar (or ``[...]`` for ``reduction="none"``), fp32.
+        A scalar (or ``[...]`` for ``reduction="none"``), fp32 (fp64 for an fp64 weight, which HF's own loss
+        rounds to fp32).
     """
     _check(hidden, weight, labels, bias, chunk_size, "labels")
     if reduction not in _REDUCTIONS:
@@ -377,8 +380,8 @@ def linear_cross_entropy(
         raise ValueError(f"z_loss must be >= 0; got {z_loss}.")
     if num_items_in_batch is not None and reduction == "none":
         raise ValueError("num_items_in_batch normalizes a summed loss; use reduction='mean' or 'sum' with it.")
-    acc = _accum_dtype(weight, accum_dtype)
     hidden, weight, bias = _autocast(hidden, weight, bias)
+    acc = _accum_dtype(weight, accum_dtype)
     lead = labels.shape
     h2, ids = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     hv, tv, idx = _compact(h2, ids, ignore_index, weight.shape[0], "labels")
@@ -396,6 +399,7 @@ def linear_cross_entropy(
             return ce.reshape(lead)
         return torch.zeros(ids.numel(), dtype=ce.dtype, device=ce.device).index_put((idx,), ce).reshape(lead)
 
+    acc_out = K.compute_dtype(weight)  # fp32; fp64 for an fp64 weight
     if num_items_in_batch is not None:
         denom = num_items_in_batch
     elif reduction == "mean":
@@ -403,28 +407,28 @@ def linear_cross_entropy(
     else:
         denom = 1
     if n_valid == 0:
-        return (hv.sum() * 0.0 + weight.sum() * 0.0).float() / denom
+        return (hv.sum() * 0.0 + weight.sum() * 0.0).to(acc_out) / denom
     hold = weight_grad_consumer is not None and grad_in_forward is True  # only when asked for explicitly
     if grad_in_forward is None:  # the Triton backend's fused kernel is its fast path
-        grad_in_forward = acc == weight.dtype or getattr(head_impl(hv.device), "PREFERS_FUSED", False)
+        grad_in_forward = acc == weight.dtype or getattr(head_impl(hv.device, weight.dtype), "PREFERS_FUSED", False)
     if not grad_in_forward or (weight_grad_consumer is not None and not hold):
         chunks = _stats_chunks(chunk_size, n_valid, hv, weight, weight_grad_consumer)
         lse, zt, _, zmean, _, _ = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunks, False,
                                                           label_smoothing > 0, acc, weight_grad_consumer)
         total = _ce_from_stats(lse, zt, zmean, label_smoothing, z_loss).sum()
         return total / (denom.to(total.device) if isinstance(denom, Tensor) else float(denom))
-    if chunk_size is None and getattr(head_impl(hv.device), "LOGITS_IN_WEIGHT_DTYPE", False):
+    if chunk_size is None and getattr(head_impl(hv.device, weight.dtype), "LOGITS_IN_WEIGHT_DTYPE", False):
         chunk = _fused_chunk(n_valid, weight, acc, hold)
     if isinstance(denom, Tensor):
-        w = (1.0 / denom.to(device=hv.device, dtype=torch.float32)).expand(n_valid)
+        w = (1.0 / denom.to(device=hv.device, dtype=acc_out)).expand(n_valid)
     else:
-        w = torch.full((n_valid,), 1.0 / float(denom), dtype=torch.float32, device=hv.device)
+        w = torch.full((n_valid,), 1.0 / float(denom), dtype=acc_out, device=hv.device)
     args = (hv, weight, bias, tv, w, ep, float(label_smoothing), float(z_loss), chunk, acc)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hv, weight, bias)):
         return _FusedLinearCrossEntropy.apply(*args, weight_grad_consumer if hold else None)
     # No gradient wanted: skip the 2/3 of the work the fused forward would spend on gradients
     # (autograd.Function reports needs_input_grad=True even under no_grad).
-    return head_impl(hv.device).fused_cross_entropy(
+    return head_impl(hv.device, weight.dtype).fused_cross_entropy(
         hv, weight, bias, tv, ep, w, label_smoothing=float(label_smoothing), z_loss=float(z_loss), chunk_size=chunk,
         need_dx=False, need_dw=False, need_db=False, accum_dtype=acc,
     )[0]
@@ -466,13 +470,13 @@ def linear_logprobs(
     is handed to it in vocabulary blocks during backward (recomputed there) and never exists as a tensor.
 
     Returns:
-        ``logp`` ``[...]`` fp32, or ``(logp, entropy)`` if ``return_entropy``.
+        ``logp`` ``[...]`` fp32 (fp64 for an fp64 weight), or ``(logp, entropy)`` if ``return_entropy``.
     """
     _check(hidden, weight, token_ids, bias, chunk_size, "token_ids")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0; got {temperature}.")
-    acc = _accum_dtype(weight, accum_dtype)
     hidden, weight, bias = _autocast(hidden, weight, bias)
+    acc = _accum_dtype(weight, accum_dtype)
     lead = token_ids.shape
     h2, ids = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1)
     hv, tv, idx = _compact(h2, ids, ignore_index, weight.shape[0], "token_ids")

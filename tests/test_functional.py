@@ -471,3 +471,51 @@ def test_entropy_gradient_keeps_fp32_accuracy_at_large_logits():
     # tests/_head_triton_check.py). What is left is lse's own rounding (log p = z - lse), which log_softmax avoids.
     ours, fp32 = entropy_grad_errors()
     assert ours <= 2.0 * fp32, (ours, fp32)
+
+
+@pytest.mark.parametrize("kw", [{}, {"label_smoothing": 0.1, "z_loss": 1e-2, "softcap": 3.0}, {"reduction": "none"}])
+def test_fp64_inputs_are_computed_in_fp64(kw):
+    # an fp64 model (or torch.autograd.gradcheck) gets fp64 numbers, not fp32 ones rounded back
+    h, w, b, y = _inputs(torch.float64, bias=True)
+    z = F.linear(h, w, b)
+    if kw.get("softcap"):
+        z = kw["softcap"] * torch.tanh(z / kw["softcap"])
+    red = kw.get("reduction", "mean")
+    ref = F.cross_entropy(z, y, label_smoothing=kw.get("label_smoothing", 0.0), reduction=red)
+    if kw.get("z_loss"):
+        ref = ref + (kw["z_loss"] * torch.logsumexp(z, -1).square() * (y != -100)).sum() / (y != -100).sum()
+    g = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, [h, w, b], g)
+    for grad_in_forward in (True, False):
+        out = linear_cross_entropy(h, w, y, bias=b, chunk_size=8, grad_in_forward=grad_in_forward, **kw)
+        assert out.dtype == torch.float64 and rel_err(out, ref) < 1e-13
+        for a, r in zip(torch.autograd.grad(out, [h, w, b], g), ref_grads, strict=True):
+            assert a.dtype == torch.float64 and rel_err(a, r) < 1e-13
+    logp, ent = linear_logprobs(h, w, y, bias=b, return_entropy=True, temperature=0.7, chunk_size=8)
+    ref_lp = torch.log_softmax(F.linear(h, w, b) / 0.7, -1)
+    mask = y != -100
+    assert logp.dtype == ent.dtype == torch.float64
+    assert rel_err(logp[mask], ref_lp[mask].gather(1, y[mask, None]).squeeze(1)) < 1e-13
+    assert rel_err(ent[mask], -(ref_lp.exp() * ref_lp).sum(-1)[mask]) < 1e-13
+
+
+def test_gradcheck_in_fp64():
+    torch.manual_seed(0)
+    h = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(11, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([3, -100, 0, 10, 7, 3])
+
+    def ce(h, w, b):
+        return linear_cross_entropy(h, w, y, bias=b, chunk_size=4, label_smoothing=0.1, z_loss=1e-2, softcap=2.0,
+                                    grad_in_forward=False)  # gradcheck backpropagates repeatedly
+
+    def logprobs_and_entropy(h, w, b):
+        return linear_logprobs(h, w, y, bias=b, chunk_size=4, return_entropy=True, temperature=0.9)
+
+    assert torch.autograd.gradcheck(ce, (h, w, b))
+    assert torch.autograd.gradcheck(logprobs_and_entropy, (h, w, b))
+    loss = linear_cross_entropy(h, w, y, bias=b, grad_in_forward=True)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="grad_in_forward=False"):
+        loss.backward()

@@ -50,7 +50,7 @@ def triton_available() -> bool:
     return True
 
 
-def head_impl(device: torch.device | str | None = None):
+def head_impl(device: torch.device | str | None = None, dtype: torch.dtype | None = None):
     """The module implementing the chunked-head ops for tensors on ``device``.
 
     On a GPU :mod:`memgrad_hf.kernels.head_triton` (Triton row kernels between cuBLAS GEMMs); elsewhere, or with
@@ -58,9 +58,10 @@ def head_impl(device: torch.device | str | None = None):
     Measured on an H100 (benchmarks/RESULTS.md, 2026-11-23): the Triton head is 2.0-2.7x faster than the torch path
     and 0.84-0.87x Liger's time; with bf16 weights its fused cross-entropy keeps an fp32 weight-gradient buffer
     (0.5 GiB at 128K x 1024), where the torch path walks the vocabulary in blocks. ``MEMGRAD_BACKEND=triton`` on CPU
-    tensors needs ``TRITON_INTERPRET=1`` (slow; for tests).
+    tensors needs ``TRITON_INTERPRET=1`` (slow; for tests). fp64 weights (``dtype``) always take the torch path:
+    the Triton kernels compute in fp32.
     """
-    if default_backend("head", device) == "triton":
+    if dtype != torch.float64 and default_backend("head", device) == "triton":
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(

@@ -72,6 +72,17 @@ _DX_ROWS = 4096  # vocabulary rows per dX GEMM call (see _accumulate)
 _FEW_ROWS, _PARTIAL_K = 16, 1024
 
 
+def compute_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype the head's softmax statistics and gradients are formed in: fp32, or fp64 for an fp64 weight (an
+    fp64 model, ``torch.autograd.gradcheck``) so that its numbers are not rounded to fp32."""
+    return torch.float64 if weight.dtype == torch.float64 else torch.float32
+
+
+def full_precision(weight: Tensor) -> bool:
+    """The weight is in :func:`compute_dtype` (fp32 or fp64): its GEMMs need no upcast copies."""
+    return weight.dtype in (torch.float32, torch.float64)
+
+
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, ep: Epilogue, buf: Tensor | None,
                   row_max: Tensor | None = None) -> Tensor:
     """fp32 logits ``[c, V]`` of one chunk. The matmul runs in the weight's dtype (as ``nn.Linear`` does) so
@@ -80,7 +91,7 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, ep: Epilogue, 
     ``row_max`` (``[c]`` fp32) receives each row's largest logit, read from each column block while it is still in
     cache (no separate pass over the chunk)."""
     c = h.shape[0]
-    if weight.dtype == torch.float32 and buf is not None:
+    if buf is not None and buf.dtype == weight.dtype:
         out = _chunk_view(buf, c, weight.shape[0])
         if row_max is not None:
             row_max.fill_(-math.inf)
@@ -103,7 +114,7 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, ep: Epilogue, 
         out = _chunk_view(buf, c, weight.shape[0])
         out.copy_(u)
     else:
-        out = u.float()
+        out = u.to(compute_dtype(weight))
     del u
     apply_epilogue_(out, ep)
     if row_max is not None:
@@ -322,8 +333,10 @@ def _dw_buffer(weight: Tensor, n: int, dtype: torch.dtype) -> Tensor:
     return make(weight.shape, dtype=dtype, device=weight.device)
 
 
-def _buffer(n: int, chunk: int, vocab: int, device: torch.device, vocab_major: bool = False) -> Tensor:
-    """fp32 logits buffer for chunks of up to ``chunk`` tokens; :func:`_chunk_view` takes each chunk's ``[c x V]``.
+def _buffer(n: int, chunk: int, vocab: int, device: torch.device, vocab_major: bool = False,
+            dtype: torch.dtype = torch.float32) -> Tensor:
+    """Logits buffer (fp32, or :func:`compute_dtype`) for chunks of up to ``chunk`` tokens; :func:`_chunk_view`
+    takes each chunk's ``[c x V]``.
 
     ``vocab_major``: each chunk is stored as a contiguous ``[V x c]`` (flat buffer) and used through its transposed
     view. The three GEMMs of a 3-GEMM chunk then run with the vocabulary as the long contiguous dimension of their
@@ -333,8 +346,8 @@ def _buffer(n: int, chunk: int, vocab: int, device: torch.device, vocab_major: b
     """
     c = min(n, chunk)
     if vocab_major:
-        return torch.empty(c * vocab, dtype=torch.float32, device=device)
-    return torch.empty(c, vocab, dtype=torch.float32, device=device)
+        return torch.empty(c * vocab, dtype=dtype, device=device)
+    return torch.empty(c, vocab, dtype=dtype, device=device)
 
 
 def _chunk_view(buf: Tensor, c: int, vocab: int) -> Tensor:
@@ -344,7 +357,7 @@ def _chunk_view(buf: Tensor, c: int, vocab: int) -> Tensor:
 
 def _vocab_major(hidden: Tensor, weight: Tensor) -> bool:
     """The chunk layout on the torch path: vocabulary-major for fp32 on CPU (faster GEMMs, see :func:`_buffer`)."""
-    return weight.dtype == torch.float32 and hidden.device.type == "cpu"
+    return full_precision(weight) and hidden.device.type == "cpu"
 
 
 def head_stats(
@@ -366,12 +379,12 @@ def head_stats(
     n = hidden.shape[0]
     flags = {"entropy": need_entropy, "zmean": need_zmean, "sumsq": need_sumsq, "top1": need_top1}
     want = frozenset(k for k, v in flags.items() if v)
-    f32 = dict(dtype=torch.float32, device=hidden.device)
+    f32 = dict(dtype=compute_dtype(weight), device=hidden.device)
     res = {k: torch.empty(n, **f32) for k in ("lse", "target", *sorted(want - {"top1"}))}
     if need_top1:
         res["top1"] = torch.empty(n, dtype=torch.bool, device=hidden.device)
-    buf = _buffer(n, chunk_size, weight.shape[0], hidden.device, _vocab_major(hidden, weight))
-    zmax = torch.empty(min(n, chunk_size), dtype=torch.float32, device=hidden.device)
+    buf = _buffer(n, chunk_size, weight.shape[0], hidden.device, _vocab_major(hidden, weight), f32["dtype"])
+    zmax = torch.empty(min(n, chunk_size), **f32)
     for s in range(0, n, chunk_size):
         e = min(s + chunk_size, n)
         z = _chunk_logits(hidden[s:e], weight, bias, ep, buf, row_max=zmax[: e - s])
@@ -406,7 +419,7 @@ def head_backward(
     dx = torch.empty_like(hidden) if need_dx else None
     dw = _dw_buffer(weight, n, accum_dtype) if need_dw else None
     db = torch.zeros(vocab, dtype=accum_dtype, device=weight.device) if need_db else None
-    buf = _buffer(n, chunk_size, vocab, hidden.device, _vocab_major(hidden, weight))
+    buf = _buffer(n, chunk_size, vocab, hidden.device, _vocab_major(hidden, weight), compute_dtype(weight))
 
     def part(x: Tensor | None, s: int, e: int) -> Tensor | None:
         return None if x is None else x[s:e]
@@ -419,7 +432,7 @@ def head_backward(
         p = z
         _exp_shifted_(p, lse[s:e])  # p = exp(z - lse): lse from the forward, no max or sum pass
         du, rows = _grad_from_probs(p, targets[s:e], lse[s:e], alpha[s:e], part(beta, s, e), part(gamma, s, e),
-                                    part(delta, s, e), dcap, ep, factor_rows=weight.dtype == torch.float32)
+                                    part(delta, s, e), dcap, ep, factor_rows=full_precision(weight))
         del dcap
         _accumulate(du, rows, h, weight, part(dx, s, e), dw, db, first=s == 0)
     return dx, dw, db
@@ -483,8 +496,8 @@ def head_backward_vocab_blocks(
     n, vocab = hidden.shape[0], weight.shape[0]
     block_bytes, weight_block_bytes = block_bytes or (32 << 20), weight_block_bytes or (4 << 20)
     vb = aligned_block(min(vocab, block_bytes // max(4 * n, 1), weight_block_bytes // max(4 * hidden.shape[1], 1)))
-    dx = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_dx else None
-    lp = weight.dtype != torch.float32
+    dx = torch.zeros(hidden.shape, dtype=compute_dtype(weight), device=hidden.device) if need_dx else None
+    lp = not full_precision(weight)
     for v0 in range(0, vocab, vb):
         v1 = min(v0 + vb, vocab)
         w_blk = weight[v0:v1]
@@ -506,7 +519,7 @@ def head_backward_vocab_blocks(
             dw_blk = dw_out[v0:v1].copy_(_mm_f32(du.t(), hidden))
         else:
             dw_blk = torch.mm(du.t(), hidden, out=dw_out[v0:v1])
-        db_blk = du.sum(0, dtype=torch.float32).to(bias.dtype) if (need_db and bias is not None) else None
+        db_blk = du.sum(0, dtype=compute_dtype(weight)).to(bias.dtype) if (need_db and bias is not None) else None
         del p, z, dcap
         on_weight_block(v0, v1, dw_blk, db_blk)
     return (None if dx is None else dx.to(hidden.dtype)), None
@@ -538,9 +551,10 @@ def fused_cross_entropy(
     dx = torch.empty_like(hidden) if need_dx else None
     dw = _dw_buffer(weight, n, accum_dtype) if need_dw else None
     db = torch.zeros(vocab, dtype=accum_dtype, device=weight.device) if need_db else None
-    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    buf = _buffer(n, chunk_size, vocab, hidden.device, _vocab_major(hidden, weight))
-    zmax = torch.empty(min(n, chunk_size), dtype=torch.float32, device=hidden.device)
+    acc = compute_dtype(weight)
+    loss = torch.zeros((), dtype=acc, device=hidden.device)
+    buf = _buffer(n, chunk_size, vocab, hidden.device, _vocab_major(hidden, weight), acc)
+    zmax = torch.empty(min(n, chunk_size), dtype=acc, device=hidden.device)
     eps = float(label_smoothing)
     for s in range(0, n, chunk_size):
         e = min(s + chunk_size, n)
@@ -563,7 +577,7 @@ def fused_cross_entropy(
             delta = -(eps / vocab) * w if eps else None
             # alpha·p = (alpha / total)·z: the normalisation rides on the per-token factor (no pass over the chunk)
             du, rows = _grad_from_probs(z, t, lse, alpha / total, None, gamma, delta, dcap, ep,
-                                        factor_rows=weight.dtype == torch.float32)
+                                        factor_rows=full_precision(weight))
             del dcap
             _accumulate(du, rows, h, weight, None if dx is None else dx[s:e], dw, db, first=s == 0)
     return loss, dx, dw, db
