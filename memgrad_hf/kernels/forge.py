@@ -279,9 +279,15 @@ def apply_rule(
                     stochastic_rounding, seeds, offset + r0 * row_len)
 
 
+def compute_dtype(p: Tensor) -> torch.dtype:
+    """The dtype an update is computed in: fp32 whatever the storage, fp64 for an fp64 weight (as ``torch.optim``)."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+
 def _apply_rows(update: Callable[..., None], names: tuple[str, ...], p: Tensor, g: Tensor, st: dict[str, Tensor],
                 hp: dict[str, Any], step: int, stochastic_rounding: bool, seeds: dict[str, int], offset: int):
-    p32 = p if p.dtype == torch.float32 else p.float()
+    cd = compute_dtype(p)
+    p32 = p if p.dtype == cd else p.to(cd)
     # 8-bit keeps sqrt(v), not v: half the dynamic range in the codes (small second moments next to a large one
     # survive), and a positive floor keeps every denominator away from 0
     st32 = {}
@@ -291,8 +297,8 @@ def _apply_rows(update: Callable[..., None], names: tuple[str, ...], p: Tensor, 
             if n == "exp_avg_sq":
                 st32[n].square_()
         else:
-            st32[n] = st[n] if st[n].dtype == torch.float32 else st[n].float()
-    update(p32, g if g.dtype == torch.float32 else g.float(), st32, hp, step)
+            st32[n] = st[n] if st[n].dtype == cd else st[n].to(cd)
+    update(p32, g if g.dtype == cd else g.to(cd), st32, hp, step)
     _store(p, p32, stochastic_rounding, seeds["p"], offset)
     for n in names:
         if st[n].dtype == Q_DTYPE:  # 8-bit: the second moment rounded stochastically, as in bf16 (see above)
@@ -307,7 +313,7 @@ def _apply_rows(update: Callable[..., None], names: tuple[str, ...], p: Tensor, 
 
 
 def _store(dst: Tensor, src32: Tensor, stochastic: bool, seed: int, offset: int) -> None:
-    if dst.dtype == torch.float32:
+    if dst.dtype == src32.dtype:
         if dst.data_ptr() != src32.data_ptr():
             dst.copy_(src32)
     elif dst.dtype == torch.bfloat16 and stochastic:
@@ -344,7 +350,7 @@ def _gram_f32(a: Tensor) -> Tensor:
     """``a·aᵀ`` in fp32 (``a``: ``[N, d]``); low-precision CUDA operands on the tensor cores with fp32 output."""
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(a, a.t(), out_dtype=torch.float32)
-    a = a.float()
+    a = a if a.dtype == torch.float64 else a.float()
     return a @ a.t()
 
 
@@ -489,7 +495,7 @@ def linear_weight_step(
     norm = torch.zeros((), dtype=torch.float64, device=w.device)
     bad = torch.zeros((), dtype=torch.int32, device=w.device)
     names = RULES[rule][1]
-    scale_dy = coef != 1.0 and dy.dtype != torch.float32
+    scale_dy = coef != 1.0 and dy.dtype not in (torch.float32, torch.float64)
     if scale_dy:
         dy, acc = dy * coef, None if acc is None else acc * coef
     for r0, r1, tile in linear_weight_tiles(dy, x, rows, acc, w.dtype):

@@ -296,7 +296,7 @@ class ForgeOptimizer(Optimizer):
 
     def _state_dtype_for(self, p: Tensor) -> torch.dtype:
         if self.state_dtype is None:  # auto: like torch.optim, state in the weight's precision (bf16 for bf16/fp16)
-            return torch.bfloat16 if p.dtype in (torch.bfloat16, torch.float16) else torch.float32
+            return torch.bfloat16 if p.dtype in (torch.bfloat16, torch.float16) else K.compute_dtype(p)
         # 8-bit only pays off for matrices; small tensors (norms, biases) keep fp32 state
         if self.state_dtype == K.Q_DTYPE and not (p.dim() == 2 and p.numel() >= _MIN_8BIT_NUMEL):
             return torch.float32
@@ -506,7 +506,7 @@ class ForgeOptimizer(Optimizer):
         """One Triton kernel per update on CUDA (no host sync, no temporaries), else the torch twin (which also
         takes non-contiguous tensors)."""
         if (default_backend("forge", target.device) == "triton" and target.is_contiguous() and g.is_contiguous()
-                and self.rule in K.KERNEL_RULES):
+                and self.rule in K.KERNEL_RULES and target.dtype != torch.float64):
             from memgrad_hf.kernels import forge_triton
 
             return forge_triton.update_step
@@ -708,7 +708,7 @@ class ForgeOptimizer(Optimizer):
         """The Triton kernel on CUDA (fp32, bf16 or 8-bit state; nearest or stochastic rounding: the same noise as
         the twin), else the torch twin."""
         if (default_backend("forge", weight.device) == "triton" and weight.is_contiguous()
-                and self.rule in K.KERNEL_RULES):
+                and self.rule in K.KERNEL_RULES and weight.dtype != torch.float64):  # (the kernels compute in fp32)
             from memgrad_hf.kernels import forge_triton
 
             split = self._linear_kernel(weight) == "split"

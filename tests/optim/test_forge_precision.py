@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 
 from memgrad_hf.kernels.forge import gram_pays, linear_grad_norm_sq, norm_sq, round_to_bf16_stochastic
@@ -103,3 +104,42 @@ def test_weight_gradient_norm_through_token_grams_equals_fp64():
     assert not torch.isfinite(linear_grad_norm_sq(dy, x))
     assert gram_pays(256, 32000, 512) and gram_pays(1024, 11008, 4096)  # an LM head; a 7B MLP at batch 1
     assert not gram_pays(256, 512, 512) and not gram_pays(8192, 11008, 4096)  # square at N = d/2; long sequences
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05], ids=["no_clip", "exact_clip"])
+@pytest.mark.parametrize("rule", ["adamw", "lion", "sgd"])
+def test_fp64_models_are_updated_in_fp64(rule, max_grad_norm):
+    # an fp64 model gets torch.optim's fp64 arithmetic (state included), not an fp32 update rounded back
+    import memgrad_hf
+    from memgrad_hf.optim import ForgeLion, ForgeSGD
+    from tests.optim.test_forge_trainer import _RefLion
+
+    model = memgrad_hf.patch_model(tiny_model("llama").double())
+    ref = copy.deepcopy(model)
+    opt, ref_opt = {
+        "adamw": lambda: (ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=max_grad_norm),
+                          torch.optim.AdamW(ref.parameters(), lr=1e-2)),
+        "lion": lambda: (ForgeLion(model.parameters(), model=model, lr=1e-3, weight_decay=0.1,
+                                   max_grad_norm=max_grad_norm),
+                         _RefLion(ref.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
+        "sgd": lambda: (ForgeSGD(model.parameters(), model=model, lr=0.5, momentum=0.9, max_grad_norm=max_grad_norm),
+                        torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)),
+    }[rule]()
+    for step in range(3):
+        ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(step))
+        loss = model(input_ids=ids, labels=ids).loss
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        assert loss.dtype == torch.float64 and abs(loss.item() - ref_loss.item()) < 1e-12
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss.backward()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert all(v.dtype == torch.float64 for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v)
+               and k != "step")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert (p - q).abs().max() <= 1e-11 * q.abs().max(), name
