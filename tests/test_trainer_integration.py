@@ -53,11 +53,13 @@ def test_trainer_losses_and_weights_equal_stock(tmp_path, ga):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), n
 
 
-@pytest.mark.parametrize("ga,optim", [(1, "adamw_torch"), (2, "adamw_torch"), (2, "forge_adamw")])
-def test_trainer_label_smoothing_runs_through_the_chunked_head(tmp_path, ga, optim):
+@pytest.mark.parametrize("family,ga,optim", [("llama", 1, "adamw_torch"), ("llama", 2, "adamw_torch"),
+                                             ("llama", 2, "forge_adamw"), ("mixtral", 2, "forge_adamw")])
+def test_trainer_label_smoothing_runs_through_the_chunked_head(tmp_path, family, ga, optim):
     # label_smoothing_factor > 0: stock Trainer pops the labels and smooths full logits (LabelSmoother); a patched
-    # model computes the same loss in its chunked head, and no training forward returns logits.
-    model = tiny_model("llama")
+    # model computes the same loss in its chunked head, and no training forward returns logits. Without labels an
+    # MoE model adds no router loss: neither does the patched one here.
+    model = tiny_model(family)
     ref = copy.deepcopy(model)
     memgrad_hf.patch_model(model, chunk_size=4)
     seen = []
@@ -73,12 +75,12 @@ def test_trainer_label_smoothing_runs_through_the_chunked_head(tmp_path, ga, opt
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), n
 
 
-@pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_loss_only_evaluation_builds_no_logits(tmp_path, smoothing):
+@pytest.mark.parametrize("family,smoothing", [("llama", 0.0), ("llama", 0.1), ("mixtral", 0.1)])
+def test_loss_only_evaluation_builds_no_logits(tmp_path, family, smoothing):
     # Without compute_metrics (or with prediction_loss_only) the Trainer drops the logits, so the patched model
     # computes the eval loss in chunks; with compute_metrics evaluation returns logits as stock does. eval_loss equals
     # stock in both cases.
-    model = tiny_model("llama")
+    model = tiny_model(family)
     ref = copy.deepcopy(model)
     memgrad_hf.patch_model(model, chunk_size=4)
     seen = []

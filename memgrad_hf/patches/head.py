@@ -133,6 +133,8 @@ class _Capture:
     loss_calls: int = 0
     # an nn.Linear subclass head with its own forward: the (weight, bias) its F.linear received (see _traced)
     linear: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    # the chunked loss under Trainer's label smoothing, which the forward returns alone (see _chunked_causal_lm_loss)
+    smoothed_loss: torch.Tensor | None = None
 
 
 def _to_head_device(head: nn.Module, x: torch.Tensor, owner: str) -> torch.Tensor:
@@ -289,8 +291,14 @@ def _chunked_causal_lm_loss(
             f"labels give targets of shape {tuple(shift_labels.shape)} but the LM head saw hidden states of shape "
             f"{tuple(hidden.shape[:-1])}; with logits_to_keep, pass labels for the kept positions only."
         )
-    return _chunked_cross_entropy(head, cap, patch, chain, hidden, shift_labels, ignore_index=ignore_index,
+    loss = _chunked_cross_entropy(head, cap, patch, chain, hidden, shift_labels, ignore_index=ignore_index,
                                   label_smoothing=patch.label_smoothing, num_items_in_batch=num_items_in_batch)
+    if patch.label_smoothing:
+        # Stock Trainer smooths by popping the labels: the model then adds no loss terms of its own (an MoE's router
+        # loss), so the forward returns this loss alone; the model gets a copy, which it may add to in place.
+        cap.smoothed_loss = loss
+        return loss.clone()
+    return loss
 
 
 def head_operands(head: nn.Module, hidden: torch.Tensor, owner: str, chain: Chain,
@@ -421,7 +429,14 @@ def _patched_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             f"{cap.owner}.forward got labels but computed no loss through self.loss_function; memgrad_hf's chunked "
             "head needs that standard transformers call. Use patch_model(model, head=False)."
         )
-    return _strip_probes(out)
+    return _strip_probes(out if cap.smoothed_loss is None else _with_loss(out, cap.smoothed_loss))
+
+
+def _with_loss(out: Any, loss: torch.Tensor) -> Any:
+    if isinstance(out, tuple):
+        return (loss, *out[1:])
+    out["loss"] = loss
+    return out
 
 
 def validate(model: nn.Module) -> None:
