@@ -9,9 +9,12 @@ saliency map, a Fisher estimate all see ``.grad``); a new ``train()`` of the sam
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from transformers import TrainerCallback
+
+log = logging.getLogger("memgrad_hf.forge")
 
 
 def _forge(optimizer: Any) -> Any:
@@ -25,10 +28,19 @@ class ForgeLogCallback(TrainerCallback):
     """Puts ``grad_norm`` (pre-clipping global norm) and ``forge_skipped_steps`` into the Trainer's logs; attaches
     the FORGE optimizer to the model for the time of ``train()``."""
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, model: Any = None,
+                       **kwargs: Any) -> None:
         opt = _forge(optimizer)
         if opt is not None:
             opt.attach()
+            return
+        ref = getattr(model, "_memgrad_forge_optimizer", None)
+        stale = ref() if ref is not None else None
+        if stale is not None and stale._attached:
+            # e.g. a hand-written loop that did not call detach(): it would go on updating in backward at its own lr
+            log.warning("A FORGE optimizer was still attached to %s (a training loop without detach()); detaching "
+                        "it so that this Trainer's optimizer alone updates the model.", type(model).__name__)
+            stale.detach()
 
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         opt = _forge(optimizer)

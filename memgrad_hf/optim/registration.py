@@ -7,6 +7,7 @@ transformers has no registration API: real ``OptimizerNames`` members are added 
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -98,6 +99,14 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
                 "head_grad=auto|recompute|hold, kernel=auto|fused|split"
                 + ("; momentum=F, dampening=F, nesterov=true|false." if cls is ForgeSGD else ".")
             )
+    if getattr(args, "auto_find_batch_size", False) and not (kwargs["max_grad_norm"] > 0
+                                                             and kwargs.get("clip", "exact") == "exact"):
+        log.warning(
+            "optim=%s with auto_find_batch_size=True but without exact clipping (max_grad_norm=%s, clip=%s): an "
+            "out-of-memory error inside backward leaves the layers whose backward had run updated before the Trainer "
+            "retries with a smaller batch. Set max_grad_norm > 0 with clip=exact (the norm is measured before any "
+            "update, so a failed attempt changes nothing) or a batch size that fits.",
+            name, kwargs["max_grad_norm"], kwargs.get("clip", "exact"))
     if kwargs["max_grad_norm"] > 0:
         log.warning(
             "%s: max_grad_norm=%s is applied %s. Set max_grad_norm=0 to skip clipping.",
@@ -135,6 +144,33 @@ def register() -> None:
         trainer_optimizer._OPTIMIZER_HANDLERS[member] = _handler
     _register_callback()
     _hook_accelerator_backward()
+    _hook_trainer_train()
+
+
+def _hook_trainer_train() -> None:
+    """``Trainer.train`` detaches its FORGE optimizer when it stops on an exception (Ctrl-C, an error in a callback):
+    ``on_train_end`` does not run then, and a FORGE optimizer left attached would go on updating the model inside
+    every later backward (another Trainer's, an evaluation's gradients). A new ``train()`` attaches it again."""
+    from transformers import Trainer
+
+    original = Trainer.train
+    if getattr(original, "_memgrad_forge", False):
+        return
+
+    @functools.wraps(original)
+    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except BaseException:
+            from memgrad_hf.callbacks.forge import _forge
+
+            opt = _forge(getattr(self, "optimizer", None))
+            if opt is not None and opt._attached:
+                opt.detach()
+            raise
+
+    train._memgrad_forge = True  # type: ignore[attr-defined]
+    Trainer.train = train
 
 
 def _hook_accelerator_backward() -> None:

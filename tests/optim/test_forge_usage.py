@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 import memgrad_hf  # noqa: F401  (registers forge_*)
 from memgrad_hf.optim import ForgeAdamW, ForgeSGD
@@ -320,3 +320,64 @@ def test_trainer_with_a_penalty_on_a_linear_weight_equals_adamw_torch(tmp_path):
         runs.append([h["loss"] for h in t.state.log_history if "loss" in h])
     assert runs[0] == pytest.approx(runs[1], rel=1e-5)
     _assert_weights_close(model, ref)
+
+
+class _Interrupt(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            raise KeyboardInterrupt  # Ctrl-C in a notebook
+
+
+def _plain(model):
+    """The model back-propagates normally: every trainable weight gets a .grad, and no layer runs FORGE's forward."""
+    model.zero_grad(set_to_none=True)
+    ids = torch.arange(1, 9)[None]
+    model(input_ids=ids, labels=ids).loss.backward()
+    ok = all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    model.zero_grad(set_to_none=True)
+    return ok and not hasattr(model, "_memgrad_forge_optimizer")
+
+
+def test_an_interrupted_train_detaches_forge_and_a_later_trainer_trains_like_stock(tmp_path):
+    model = tiny_model("llama")
+    trainer = Trainer(model=model, args=_args(tmp_path / "a", "forge_adamw"), train_dataset=_data(),
+                      callbacks=[_Interrupt()])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert _plain(model)
+    ref = copy.deepcopy(model)
+    _, la, ga = _train(model, _args(tmp_path / "b", "adamw_torch"))
+    _, lb, gb = _train(ref, _args(tmp_path / "c", "adamw_torch"))
+    assert la == pytest.approx(lb, rel=1e-6) and ga == pytest.approx(gb, rel=1e-6) and min(ga) > 0
+    _assert_weights_close(model, ref)
+
+
+def test_a_forge_optimizer_left_attached_by_a_loop_is_detached_by_a_trainer_with_another_optimizer(tmp_path, caplog):
+    model = tiny_model("llama")
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    ids = torch.arange(1, 9)[None]
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.detach()
+    ref = copy.deepcopy(model)
+    opt.attach()  # the loop ends without opt.detach()
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        _, la, _ = _train(model, _args(tmp_path / "a", "adamw_torch"))
+    assert "without detach()" in caplog.text and not opt._attached
+    _, lb, _ = _train(ref, _args(tmp_path / "b", "adamw_torch"))
+    assert la == pytest.approx(lb, rel=1e-6)
+    _assert_weights_close(model, ref)
+
+
+@pytest.mark.parametrize("max_grad_norm,optim_args,warned", [(0.0, None, True), (1.0, "clip=previous", True),
+                                                             (1.0, None, False)])
+def test_auto_find_batch_size_without_exact_clipping_is_warned_about(tmp_path, caplog, max_grad_norm, optim_args,
+                                                                    warned):
+    # an OOM inside backward retries with a smaller batch; without the norm pass some layers were updated already
+    args = _args(tmp_path, "forge_adamw", auto_find_batch_size=True, max_grad_norm=max_grad_norm,
+                 optim_args=optim_args)
+    trainer = Trainer(model=tiny_model("llama"), args=args, train_dataset=_data())
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        trainer.create_optimizer()
+    assert ("auto_find_batch_size" in caplog.text) == warned
+    trainer.optimizer.detach()
