@@ -32,7 +32,7 @@ class ForgeLogCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         opt = _forge(optimizer)
         if opt is not None:
-            opt.attach()
+            opt.begin_trainer(float(args.max_grad_norm or 0.0))
             return
         ref = getattr(model, "_memgrad_forge_optimizer", None)
         stale = ref() if ref is not None else None
@@ -45,7 +45,7 @@ class ForgeLogCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         opt = _forge(optimizer)
         if opt is not None:
-            opt.detach()
+            opt.end_trainer()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, optimizer: Any = None,
                **kwargs: Any) -> None:

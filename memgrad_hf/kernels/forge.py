@@ -483,11 +483,11 @@ def linear_weight_step(
     coef: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """Update ``w`` and its state ``st`` in place with ``rule`` applied to ``dW = coef·(dyᵀ·x (+ acc))``, one row
-    block at a time; returns ``(Σ dW², tiles skipped)`` (added into ``sums`` and returned if given). Tiles with a
-    non-finite value are not applied (nor is their state). With fp32 activations each tile is scaled by ``coef``
-    (clipping) as :func:`update_step` scales a given gradient: a tile kept for a clipping replay and one formed again
-    here give the same update, bit for bit. With bf16 / fp16 activations ``dy`` is scaled before the GEMM, as the
-    Triton kernels do.
+    block at a time; returns ``(Σ (dyᵀ·x (+ acc))², tiles skipped)``, the norm before ``coef`` as
+    :func:`update_step`'s (added into ``sums`` and returned if given). Tiles with a non-finite value are not applied
+    (nor is their state). Each tile is formed as autograd forms the weight gradient (in the activations' dtype, cast
+    to the weight's) and then scaled by ``coef`` (clipping) as ``clip_grad_norm_`` scales it: a tile kept for a
+    clipping replay and one formed again here give the same update, bit for bit, and bf16 autocast equals torch.
 
     The torch twin of :func:`memgrad_hf.kernels.forge_triton.linear_weight_step` (same signature, plus
     ``exact_norm``: see :func:`norm_sq`)."""
@@ -495,17 +495,14 @@ def linear_weight_step(
     norm = torch.zeros((), dtype=torch.float64, device=w.device)
     bad = torch.zeros((), dtype=torch.int32, device=w.device)
     names = RULES[rule][1]
-    scale_dy = coef != 1.0 and dy.dtype not in (torch.float32, torch.float64)
-    if scale_dy:
-        dy, acc = dy * coef, None if acc is None else acc * coef
     for r0, r1, tile in linear_weight_tiles(dy, x, rows, acc, w.dtype):
-        if coef != 1.0 and not scale_dy:
-            tile = tile * coef
         tile_sq = norm_sq(tile, exact_norm)  # finite for every finite fp32 tile, so it doubles as the finiteness check
         norm += tile_sq
         if not bool(torch.isfinite(tile_sq)):
             bad += 1
             continue
+        if coef != 1.0:
+            tile = tile * coef
         apply_rule(rule, w[r0:r1], tile, state_slice(st, names, r0, r1), hp, step,
                    stochastic_rounding=stochastic_rounding, seed=seed, offset=r0 * w.shape[1])
     return _add_into(sums, norm, bad)

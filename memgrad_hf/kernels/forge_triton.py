@@ -287,13 +287,6 @@ def _kind(t: Tensor) -> int:
     raise ValueError(f"the Triton FORGE kernel takes fp32, bf16 or 8-bit optimizer state; got {t.dtype}")
 
 
-def _scaled(dy: Tensor, acc: Tensor | None, coef: float) -> tuple[Tensor, Tensor | None]:
-    # clipping scales dY (dW is linear in it) before the kernel: its GEMM then yields the clipped dW directly
-    if coef == 1.0:
-        return dy, acc
-    return dy * coef, None if acc is None else acc * coef
-
-
 def linear_weight_step(
     rule: str,
     dy: Tensor,
@@ -315,7 +308,6 @@ def linear_weight_step(
     into and returned if given: no allocation per call). State in fp32, bf16 or 8-bit
     (``st`` then also holds ``<name>.scale``); bf16 weights rounded to nearest or, with ``stochastic_rounding``,
     stochastically with the twin's noise (a hash of ``seed`` and the element index)."""
-    dy, acc = _scaled(dy, acc, coef)
     ra = _rule_args(rule, hp, step)
     n, out_f = dy.shape
     in_f = x.shape[1]
@@ -343,9 +335,11 @@ def linear_weight_step(
         n, out_f, in_f, _cdiv(in_f, K.Q_BLOCK),
         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         float(hp["lr"]), b1, b2, omb1, omb2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt,
-        K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[(names or ("p",))[-1]])), 1.0, 0,
+        K._as_int32(K.noise_key(seeds["p"])), K._as_int32(K.noise_key(seeds[(names or ("p",))[-1]])), float(coef), 0,
         FROM_GRAD=False, HAS_ACC=acc is not None, LOWP=lowp, IS_BF16=dy.dtype == torch.bfloat16, **ra["consts"],
-        W_BF16=w.dtype == torch.bfloat16, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding), G_LOWP=0,
+        W_BF16=w.dtype == torch.bfloat16, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding),
+        # the gradient has the weight's dtype (bf16 weights: scaled and rounded back, as clip_grad_norm_ does)
+        G_LOWP={torch.bfloat16: 1, torch.float16: 2}.get(w.dtype, 0) if coef != 1.0 else 0,
         ACC_LOWP=0 if acc is None else {torch.bfloat16: 1, torch.float16: 2}.get(acc.dtype, 0),
         BM=bm, BN=bn, BK=bk,
         # the interpreter's dot misreads bf16 operands; upcast there (exact products, the same fp32 sums)
@@ -377,12 +371,11 @@ def linear_weight_step_split(
     launches and one ``rows_per_tile``-row tile of ``dW`` in memory per tile, where the fused kernel keeps ``dW`` in
     registers; the choice when its tensor-core GEMM is slower than the library's (``optim_args="kernel=split"``).
     Same contract and signature as the torch twin :func:`memgrad_hf.kernels.forge.linear_weight_step`."""
-    dy, acc = _scaled(dy, acc, coef)
     names = K.RULES[rule][1]
     sums = _sums(sums, w.device)
     rows = rows_per_tile or K.row_tiles(w.shape[0], w.shape[1])
     for r0, r1, tile in K.linear_weight_tiles(dy, x, rows, acc, w.dtype):
-        update_step(rule, w[r0:r1], tile, K.state_slice(st, names, r0, r1), hp, step,
+        update_step(rule, w[r0:r1], tile, K.state_slice(st, names, r0, r1), hp, step, coef=coef,
                     stochastic_rounding=stochastic_rounding, seed=seed, offset=r0 * w.shape[1], sums=sums)
     return sums
 

@@ -160,6 +160,9 @@ class ForgeOptimizer(Optimizer):
         # Accelerator.backward, where exact clipping hooks in (any loss: the model's, GRPO's, a compute_loss_func's)
         self._trainer_managed = model is None and forge_model is not None
         model = model if model is not None else forge_model
+        if isinstance(params, nn.Module):  # ForgeAdamW(model, lr=...); also Trainer(optimizer_cls_and_kwargs=(cls,
+            model = params if model is None else model  # {"model": m})), which passes the model as the params
+            params = params.parameters()
         if clip not in _CLIP_MODES:
             raise ValueError(f"clip must be one of {_CLIP_MODES}; got {clip!r}.")
         if clip_pass not in _CLIP_PASSES:
@@ -175,7 +178,9 @@ class ForgeOptimizer(Optimizer):
         if model is None:
             raise ValueError(
                 f"{type(self).__name__} needs the model (model=...) to fuse the update into its linear layers' "
-                "backward, e.g. ForgeAdamW(model.parameters(), model=model, lr=1e-4)."
+                "backward, e.g. ForgeAdamW(model.parameters(), model=model, lr=1e-4); in "
+                "Trainer(optimizer_cls_and_kwargs=...) pass it as forge_model=model (the Trainer takes 'model' for "
+                "the parameters)."
             )
         _refuse_distributed(model)
         _check_torch_options(type(self).__name__, torch_options)
@@ -307,6 +312,28 @@ class ForgeOptimizer(Optimizer):
         """Exact clipping is on: every backward must start with the norm-only pass."""
         return self.max_grad_norm > 0 and self.clip == "exact"
 
+    def begin_trainer(self, max_grad_norm: float) -> None:
+        """Called when a ``Trainer`` starts training with this optimizer (given to it ready-made): the norm pass then
+        hooks into ``Accelerator.backward`` as for one the Trainer built, and the Trainer's ``max_grad_norm`` applies
+        as it would to any optimizer, on top of this one's own (clipping at one norm and then at another is clipping
+        at the smaller)."""
+        if max_grad_norm > 0 and (self.max_grad_norm == 0 or max_grad_norm < self.max_grad_norm):
+            if self.max_grad_norm:
+                log.warning("%s: clipping at the Trainer's max_grad_norm=%s, below the optimizer's own %s.",
+                            type(self).__name__, max_grad_norm, self.max_grad_norm)
+            self.max_grad_norm = float(max_grad_norm)
+        if not self._trainer_managed:
+            self.detach()  # (undoes the forward wrapper of a hand-written loop's exact clipping)
+            self._trainer_managed = True
+            self._managed_by_trainer_call = True
+        self.attach()
+
+    def end_trainer(self) -> None:
+        """``Trainer.train()`` ended (or stopped): detach, and hand a ready-made optimizer back to hand-written use."""
+        self.detach()
+        if getattr(self, "_managed_by_trainer_call", False):
+            self._trainer_managed = self._managed_by_trainer_call = False
+
     def clip_root(self, loss: Tensor) -> Tensor:
         """``loss`` (a scalar) wrapped so that its backward first runs the norm-only pass (exact clipping), then
         the update pass; unchanged when clipping is off or ``loss`` has no graph. What ``Accelerator.backward`` (the
@@ -319,15 +346,18 @@ class ForgeOptimizer(Optimizer):
         model, opt = self.model, self
         original = model.forward
         self._had_instance_forward = "forward" in model.__dict__
+        on = {"wrap": True}  # off once detached while something wraps it in turn (see detach)
 
         def forward(self_: nn.Module, *args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
-            return opt._wrap_loss(out)
+            return opt._wrap_loss(out) if on["wrap"] else out
 
         functools.update_wrapper(forward, type(model).forward)  # inspect.signature sees the class's forward
+        forward._memgrad_forge_on = on  # type: ignore[attr-defined]
         model.forward = types.MethodType(forward, model)
         self._wrapped_forward = True
         self._original_forward = original
+        self._forward_switch = on
 
     def _wrap_loss(self, out: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -350,9 +380,13 @@ class ForgeOptimizer(Optimizer):
         for h in self._hooks:
             h.remove()
         if self._wrapped_forward:
-            self.model.__dict__.pop("forward", None)
-            if self._had_instance_forward:
-                self.model.forward = self._original_forward
+            self._forward_switch["wrap"] = False
+            current = self.model.__dict__.get("forward")
+            if getattr(getattr(current, "__func__", None), "_memgrad_forge_on", None) is self._forward_switch:
+                self.model.__dict__.pop("forward")
+                if self._had_instance_forward:
+                    self.model.forward = self._original_forward
+            # else wrapped in turn since (accelerate's autocast wrapper, ...): kept, ours passes calls through
             self._wrapped_forward = False
         self._swapped, self._hooks, self._fused, self._hooked, self._unhooked = [], [], set(), set(), []
         self._attached = False
@@ -570,15 +604,11 @@ class ForgeOptimizer(Optimizer):
         seed = _noise_seed(plan.position, step)
         # backward runs without grad mode (unless create_graph): entering no_grad per layer costs ~2 µs of host time
         with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT:
-            norm_sq, bad = plan.impl(
+            plan.impl(
                 self.rule, dy, x, weight.data, plan.rule_state, self._hp(weight), step, acc,
                 rows_per_tile=plan.rows, stochastic_rounding=self.stochastic_rounding, seed=seed,
-                sums=sums if coef == 1.0 else None, exact_norm=self._exact_norm,  # (the Triton kernels ignore it)
-                coef=coef,
+                sums=sums, exact_norm=self._exact_norm, coef=coef,  # (the Triton kernels ignore exact_norm)
             )
-        if coef != 1.0:  # the clipped dY gave the clipped norm: log the unclipped one
-            sums[0].add_(norm_sq.to(sums[0].dtype) / (coef * coef))
-            sums[1].add_(bad)
 
     def _linear_plan(self, weight: Tensor) -> _LinearPlan:
         """What a linear weight's update needs besides its inputs, worked out once: on a GPU at small batch the host's

@@ -166,7 +166,7 @@ def _hook_trainer_train() -> None:
 
             opt = _forge(getattr(self, "optimizer", None))
             if opt is not None and opt._attached:
-                opt.detach()
+                opt.end_trainer()
             raise
 
     train._memgrad_forge = True  # type: ignore[attr-defined]

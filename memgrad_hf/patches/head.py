@@ -52,6 +52,7 @@ class HeadPatch:
     label_smoothing: float = 0.0
     # False after unpatch_model found the forward wrapped by something installed later (see unpatch_head)
     active: bool = True
+    lost_warned: bool = False  # (see head_patch)
 
 
 # ------------------------------------------------------------------------------------------ head resolution
@@ -336,10 +337,16 @@ def _chunked_cross_entropy(head: nn.Module, cap: _Capture, patch: HeadPatch, cha
                            targets: torch.Tensor, **loss_kwargs: Any) -> torch.Tensor:
     h, weight, bias, softcap, scale = head_operands(head, hidden, cap.owner, chain, cap.linear)
     consumer = head_weight_consumer(patch, head, weight, bias)
+    # FORGE may have the gradient computed in forward and held (one fp32 weight-sized buffer): only for a head that
+    # runs in fp32, where that is the very path its plain backward takes. A bf16 head (weights, or autocast) sums
+    # its gradient in vocabulary blocks in backward, and a held one would be rounded otherwise.
+    low = weight.dtype in (torch.bfloat16, torch.float16) or (
+        torch.is_autocast_enabled(h.device.type) and torch.get_autocast_dtype(h.device.type) != torch.float32)
+    hold = getattr(consumer, "hold", False) and not low
     return linear_cross_entropy(
         h, weight, targets, bias=bias, softcap=softcap, logit_scale=scale, chunk_size=patch.chunk_size,
-        accum_dtype=patch.accum_dtype, weight_grad_consumer=consumer,
-        grad_in_forward=True if getattr(consumer, "hold", False) else None, **loss_kwargs,
+        accum_dtype=patch.accum_dtype, weight_grad_consumer=consumer, grad_in_forward=True if hold else None,
+        **loss_kwargs,
     )
 
 
@@ -479,7 +486,9 @@ def patch_head(model: nn.Module, *, chunk_size: int | None = None, accum_dtype: 
     if accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"accum_dtype must be None, torch.float32 or the weight dtype; got {accum_dtype!r}.")
     existing: HeadPatch | None = getattr(model, _ATTR, None)
-    if existing is not None:  # patching twice only updates the options (and undoes a deferred unpatch)
+    if existing is not None and _forward_lost(model):
+        delattr(model, _ATTR)  # an unpickled model: patched again from scratch
+    elif existing is not None:  # patching twice only updates the options (and undoes a deferred unpatch)
         existing.chunk_size, existing.accum_dtype, existing.active = chunk_size, accum_dtype, True
         return
     if is_fused_head_forward(model.__dict__.get("forward")):
@@ -516,6 +525,11 @@ def unpatch_head(model: nn.Module) -> bool:
     if patch is None:
         return False
     current = model.__dict__.get("forward")
+    if _forward_lost(model):  # unpickled: the class's forward is back already
+        if not patch.had_instance_forward:
+            del model.forward
+        delattr(model, _ATTR)
+        return True
     if not getattr(getattr(current, "__func__", None), "_memgrad_head", False):
         # Installed later on top of memgrad's forward (a TRL trainer's fused head, Liger's forward): removing memgrad's
         # would discard it, so memgrad's layer stays and passes every call through unchanged.
@@ -547,7 +561,23 @@ def set_head_weight_consumer(model: nn.Module, factory: Any) -> bool:
 def head_patch(model: nn.Module) -> HeadPatch | None:
     """The chunked-head settings of a ``patch_model``ed ``model`` (None if it is not, or no longer, patched)."""
     patch: HeadPatch | None = getattr(model, _ATTR, None)
-    return patch if patch is not None and patch.active else None
+    if patch is None or not patch.active:
+        return None
+    if _forward_lost(model):
+        if not patch.lost_warned:
+            patch.lost_warned = True
+            logger.warning("%s was pickled and loaded again (torch.save(model), multiprocessing): pickling keeps "
+                           "the weights but not memgrad's forward, so it computes full logits. Call "
+                           "memgrad_hf.patch_model(model) again after loading (or save with save_pretrained).",
+                           type(model).__name__)
+        return None
+    return patch
+
+
+def _forward_lost(model: nn.Module) -> bool:
+    """The model's forward is its class's own again although it was patched: pickling stores a bound method by name,
+    so an unpickled model gets the class's ``forward`` back while keeping the patch's bookkeeping."""
+    return getattr(model.__dict__.get("forward"), "__func__", None) is type(model).forward
 
 
 def is_head_patched(model: nn.Module) -> bool:

@@ -381,3 +381,40 @@ def test_auto_find_batch_size_without_exact_clipping_is_warned_about(tmp_path, c
         trainer.create_optimizer()
     assert ("auto_find_batch_size" in caplog.text) == warned
     trainer.optimizer.detach()
+
+
+@pytest.mark.parametrize("how", ["instance", "cls_and_kwargs", "cls_and_model"])
+def test_a_ready_made_forge_optimizer_clips_at_the_trainers_max_grad_norm(tmp_path, how):
+    # Trainer clips any optimizer's gradients at args.max_grad_norm; FORGE's own default is 0 (no clipping)
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    args = _args(tmp_path / "a", "adamw_torch", max_grad_norm=0.5, weight_decay=0.0)
+    kw = dict(lr=args.learning_rate, weight_decay=0.0)
+    if how == "instance":
+        extra = dict(optimizers=(ForgeAdamW(model.parameters(), model=model, **kw), None))
+    else:
+        extra = dict(optimizer_cls_and_kwargs=(ForgeAdamW, {**kw, ("model" if how == "cls_and_model" else
+                                                                  "forge_model"): model}))
+    trainer = Trainer(model=model, args=args, train_dataset=_data(), **extra)
+    trainer.train()
+    hist = [h for h in trainer.state.log_history if "loss" in h]
+    _, lb, gb = _train(ref, _args(tmp_path / "b", "adamw_torch", max_grad_norm=0.5, weight_decay=0.0))
+    assert max(gb) > 0.5  # clipping is active
+    assert [h["loss"] for h in hist] == pytest.approx(lb, rel=1e-5)
+    assert [h["grad_norm"] for h in hist] == pytest.approx(gb, rel=1e-5)
+    _assert_weights_close(model, ref)
+
+
+def test_a_ready_made_forge_optimizer_keeps_accelerates_autocast_over_two_trains(tmp_path):
+    # detaching must not remove a forward wrapper installed over FORGE's own (accelerate's bf16 autocast)
+    model = tiny_model("llama")
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-3, max_grad_norm=1.0)
+    trainer = Trainer(model=model, args=_args(tmp_path, "adamw_torch", bf16=True, max_steps=2),
+                      train_dataset=_data(), optimizers=(opt, None))
+    dtypes = []
+    model.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda m, a, out: dtypes.append(out.dtype) if m.training else None)
+    trainer.train()
+    trainer.train()
+    assert len(dtypes) == 4 and set(dtypes) == {torch.bfloat16}, dtypes
+    assert not opt._attached and not opt._trainer_managed  # handed back for hand-written use

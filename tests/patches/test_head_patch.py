@@ -145,6 +145,28 @@ def test_deepcopy_of_patched_model_patches_the_copy():
     assert clone(input_ids=ids, labels=labels).logits is None
 
 
+def test_a_pickled_patched_model_says_so_and_patches_again(caplog):
+    # pickling stores the instance forward by name: the loaded model has its class's forward back
+    import pickle
+
+    from memgrad_hf.patches import is_head_patched
+
+    model, _ = _pair()
+    memgrad_hf.patch_model(model)
+    loaded = pickle.loads(pickle.dumps(model))
+    ids, labels = _batch()
+    with caplog.at_level("WARNING", logger="memgrad_hf.patches.head"):
+        assert not is_head_patched(loaded)
+    assert "patch_model(model) again" in caplog.text
+    assert loaded(input_ids=ids, labels=labels).logits is not None  # honest: full logits, as stock
+    memgrad_hf.patch_model(loaded)
+    assert is_head_patched(loaded) and loaded(input_ids=ids, labels=labels).logits is None
+    assert torch.equal(loaded(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss)
+    again = pickle.loads(pickle.dumps(model))
+    memgrad_hf.unpatch_model(again)  # unpatching one is clean too
+    assert "forward" not in again.__dict__ and not hasattr(again, "_memgrad_head")
+
+
 def test_gradient_checkpointing():
     model, ref = _pair()
     for m in (model, ref):
