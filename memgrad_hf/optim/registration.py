@@ -39,6 +39,13 @@ def _parse_bool(v: str) -> bool:
     raise ValueError(f"expected a boolean in optim_args, got {v!r}")
 
 
+def _parse_float(key: str, v: str) -> float:
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"optim_args {key} must be a number such as 0.9; got {v!r}.") from None
+
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
 
@@ -70,8 +77,8 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
     kwargs["forge_model"] = ctx.model
     kwargs["max_grad_norm"] = float(args.max_grad_norm or 0.0)
     for key, value in (ctx.optim_args or {}).items():
-        if key in ("clip", "clip_pass"):
-            kwargs[key] = value
+        if key in ("clip", "clip_pass", "head_grad", "kernel"):
+            kwargs[key] = value.strip().lower()
         elif key == "tile_bytes":
             kwargs["tile_bytes"] = _parse_bytes(value)
         elif key == "max_grad_norm":
@@ -83,12 +90,8 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             kwargs["stochastic_rounding"] = _parse_bool(value)
         elif key == "state_dtype":
             kwargs["state_dtype"] = value
-        elif key == "head_grad":
-            kwargs["head_grad"] = value
-        elif key == "kernel":
-            kwargs["kernel"] = value
         elif cls is ForgeSGD and key in ("momentum", "dampening"):
-            kwargs[key] = float(value)
+            kwargs[key] = _parse_float(key, value)
         elif cls is ForgeSGD and key == "nesterov":
             kwargs["nesterov"] = _parse_bool(value)
         else:
@@ -145,6 +148,29 @@ def register() -> None:
     _register_callback()
     _hook_accelerator_backward()
     _hook_trainer_train()
+    _hook_optim_args_parser()
+
+
+def _hook_optim_args_parser() -> None:
+    """transformers splits ``optim_args`` on ',' and '=' and fails with a bare unpacking error on an entry that is
+    not ``key=value`` (``optim_args="clip"``): the same parse, with an error that says what is wrong."""
+    import transformers.trainer as trainer_mod
+
+    original = trainer_mod._parse_optim_args
+    if getattr(original, "_memgrad_forge", False):
+        return
+
+    @functools.wraps(original)
+    def parse(optim_args: str | None) -> dict[str, str]:
+        try:
+            return original(optim_args)
+        except ValueError:
+            bad = [m for m in str(optim_args).replace(" ", "").split(",") if m.count("=") != 1]
+            raise ValueError("optim_args must be comma-separated key=value pairs (e.g. 'clip=exact,state_dtype=bf16'); "
+                             f"got {optim_args!r}, where {bad} are not key=value.") from None
+
+    parse._memgrad_forge = True  # type: ignore[attr-defined]
+    trainer_mod._parse_optim_args = parse
 
 
 def _hook_trainer_train() -> None:
@@ -196,6 +222,26 @@ def _hook_accelerator_backward() -> None:
     backward._memgrad_forge = True  # type: ignore[attr-defined]
     backward.__doc__ = original.__doc__
     Accelerator.backward = backward
+
+    original_clip = Accelerator.clip_grad_norm_
+
+    @functools.wraps(original_clip)
+    def clip_grad_norm_(self: Any, parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        from memgrad_hf.optim.forge import ForgeOptimizer
+
+        for o in getattr(self, "_optimizers", ()):
+            inner = getattr(o, "optimizer", o)
+            if (isinstance(inner, ForgeOptimizer) and not inner._trainer_managed and max_norm
+                    and inner.max_grad_norm != max_norm and not getattr(inner, "_clip_call_warned", False)):
+                inner._clip_call_warned = True
+                log.warning(
+                    "accelerator.clip_grad_norm_(max_norm=%s) does nothing with %s: the update was applied inside "
+                    "backward, and no .grad is left to clip. Construct it with max_grad_norm=%s (exact clipping, "
+                    "before any update) instead; optimizer.last_grad_norm holds the measured norm.",
+                    max_norm, type(inner).__name__, max_norm)
+        return original_clip(self, parameters, max_norm, *args, **kwargs)
+
+    Accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
 def _register_callback() -> None:

@@ -236,6 +236,17 @@ def test_option_spellings_users_reach_for(tmp_path):
     with pytest.raises(ValueError, match="4MiB"):
         Trainer(model=model, args=_args(tmp_path, "forge_adamw", optim_args="tile_bytes=lots"),
                 train_dataset=_data()).create_optimizer()
+    with pytest.raises(ValueError, match=r"key=value pairs .* \['clip'\] are not"):
+        Trainer(model=model, args=_args(tmp_path, "forge_adamw", optim_args="clip"),
+                train_dataset=_data()).create_optimizer()
+    with pytest.raises(ValueError, match="momentum must be a number"):
+        Trainer(model=model, args=_args(tmp_path, "forge_sgd", optim_args="momentum=abc"),
+                train_dataset=_data()).create_optimizer()
+    t = Trainer(model=model, args=_args(tmp_path, "forge_adamw", optim_args="clip=Exact, clip_pass=REPLAY"),
+                train_dataset=_data())
+    t.create_optimizer()  # values in any case, spaces around them, as state_dtype=BF16
+    assert (t.optimizer.clip, t.optimizer.clip_pass) == ("exact", "replay")
+    t.optimizer.detach()
     ForgeAdamW(model.parameters(), model=model, foreach=True, fused=False, amsgrad=False).detach()  # torch's choices
     with pytest.raises(ValueError, match="amsgrad=True"):
         ForgeAdamW(model.parameters(), model=model, amsgrad=True)
@@ -418,3 +429,33 @@ def test_a_ready_made_forge_optimizer_keeps_accelerates_autocast_over_two_trains
     trainer.train()
     assert len(dtypes) == 4 and set(dtypes) == {torch.bfloat16}, dtypes
     assert not opt._attached and not opt._trainer_managed  # handed back for hand-written use
+
+
+def test_accelerate_loop_clipping_through_the_optimizer_and_clip_grad_norm_warns(caplog):
+    # a hand-written accelerate loop: clipping is the optimizer's (max_grad_norm=...); clip_grad_norm_ cannot clip
+    # gradients that were applied inside backward, and says so
+    from accelerate import Accelerator
+
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    acc = Accelerator(cpu=True)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=0.5)
+    model, opt = acc.prepare(model, opt)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    norms = []
+    for step in range(3):
+        ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(step))
+        acc.backward(model(input_ids=ids, labels=ids).loss)
+        with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+            acc.clip_grad_norm_(model.parameters(), 1.0)  # habit from torch loops: warned about once
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.optimizer.last_grad_norm)
+        ref(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert caplog.text.count("does nothing with ForgeAdamW") == 1
+    assert min(norms) > 0.5
+    _assert_weights_close(model, ref)
+    opt.optimizer.detach()
