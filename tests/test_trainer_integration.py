@@ -75,6 +75,23 @@ def test_trainer_label_smoothing_runs_through_the_chunked_head(tmp_path, family,
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), n
 
 
+def test_label_smoothing_on_a_model_with_its_own_cross_entropy_runs_as_stock(tmp_path, caplog):
+    # bart's decoder applies nn.CrossEntropyLoss itself; Trainer's label smoothing replaces that loss by LabelSmoother
+    # on full logits: memgrad leaves that to the stock path (warned), in training and in loss-only evaluation
+    model = tiny_model("bart")
+    ref = copy.deepcopy(model)
+    memgrad_hf.patch_model(model)
+    with caplog.at_level("WARNING", logger="memgrad_hf.patches.trainer"):
+        a = _train(model, tmp_path / "a", 1, label_smoothing_factor=0.1)
+    b = _train(ref, tmp_path / "b", 1, label_smoothing_factor=0.1)
+    assert caplog.text.count("computes its own cross-entropy") == 1
+    la, lb = ([h["loss"] for h in t.state.log_history if "loss" in h] for t in (a, b))
+    assert len(la) == 3 and la == pytest.approx(lb, rel=1e-6)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), n
+    assert a.evaluate(_data())["eval_loss"] == pytest.approx(b.evaluate(_data())["eval_loss"], rel=1e-6)
+
+
 @pytest.mark.parametrize("family,smoothing", [("llama", 0.0), ("llama", 0.1), ("mixtral", 0.1)])
 def test_loss_only_evaluation_builds_no_logits(tmp_path, family, smoothing):
     # Without compute_metrics (or with prediction_loss_only) the Trainer drops the logits, so the patched model

@@ -16,10 +16,14 @@ compute their own loss) goes through the stock methods unchanged.
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
 from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 def _patched_causal_lm(trainer: Any, model: nn.Module) -> nn.Module | None:
@@ -55,6 +59,13 @@ def _refuse_liger_head(trainer: Any, model: nn.Module) -> None:
         )
 
 
+def _uses_loss_function(model: nn.Module) -> bool:
+    """Whether the model's forward computes its loss through ``self.loss_function`` (transformers' causal LMs), not
+    an ``nn.CrossEntropyLoss`` of its own on unshifted labels (the decoders of bart, whisper, ...)."""
+    code = getattr(inspect.unwrap(type(model).forward), "__code__", None)
+    return code is None or "loss_function" in code.co_names
+
+
 def hook_trainer_compute_loss() -> None:
     """Idempotent; called by ``import memgrad_hf``."""
     from transformers import Trainer
@@ -83,6 +94,15 @@ def hook_trainer_compute_loss() -> None:
         # by the micro-batch's.
         if smoother is None or not self.model_accepts_loss_kwargs or getattr(smoother, "ignore_index", -100) != -100:
             return original(self, model, inputs, *args, **kwargs)  # with a smoother: labels popped, full logits
+        if not _uses_loss_function(target):
+            if not getattr(self, "_memgrad_own_ce_warned", False):
+                self._memgrad_own_ce_warned = True
+                logger.warning(
+                    "%s computes its own cross-entropy (not through self.loss_function), which Trainer's "
+                    "label_smoothing_factor replaces by smoothing full logits: those are built as stock Trainer "
+                    "builds them (no memory saving for this loss). Without label smoothing the chunked head serves "
+                    "it.", type(target).__name__)
+            return original(self, model, inputs, *args, **kwargs)
         from memgrad_hf.patches.head import head_label_smoothing
 
         self.label_smoother = None  # the stock method then leaves the labels in and returns the model's loss
