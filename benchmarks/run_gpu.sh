@@ -19,7 +19,9 @@
 # linear layer is cut (CPU, kernels no-ops: +88-100 -> +25-27 µs over nn.Linear + fused AdamW, +223-241 -> +113-115
 # with exact clipping; the CUDA headroom read per layer under clipping is one allocator call instead of two Python
 # flattenings of ~140 statistics): `launch` now measures it on the GPU's host (benchmarks.forge_host), and `forge`'s
-# ~1B step times (last 1.22x adamw_torch_fused for forge_lion) should move by it.
+# ~1B step times (last 1.22x adamw_torch_fused for forge_lion) should move by it. Since 2026-11-25 (fifth session)
+# the fused linear kernel applies the clip coefficient to the formed dW tile (G_LOWP by the weight's dtype) instead
+# of a host-side dY * coef: `checks` compares it compiled with the twin (interpreter-checked only so far).
 set -u
 out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [checks titans titans-layer head grpo forge forge-profile]}
 shift
