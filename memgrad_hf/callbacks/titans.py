@@ -9,6 +9,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.utils import logging
 
+from memgrad_hf.patches.titans import sync_titans_config
 from memgrad_hf.titans.memory import NeuralMemory
 
 logger = logging.get_logger(__name__)
@@ -60,6 +61,7 @@ class FANDistillationCallback(TrainerCallback):
             raise ValueError(f"FANDistillationCallback: distill_epochs={distill_epochs} must be >= 0.")
         self.distill_steps, self.distill_epochs, self.freeze_fan_after = distill_steps, distill_epochs, freeze_fan_after
         self.memories: list[NeuralMemory] = []
+        self._model: nn.Module | None = None
         self.switched = False
         self.switch_step: int | None = None
         self.cosine_at_switch = float("nan")
@@ -88,6 +90,8 @@ class FANDistillationCallback(TrainerCallback):
             if self.freeze_fan_after:
                 m.fan.requires_grad_(False)
         self.switched = True
+        if self._model is not None:  # a save from here on must reload the FAN gradient
+            sync_titans_config(self._model)
 
     def _metrics(self) -> dict[str, float]:
         cos = self.cosine_at_switch if self.switched else self.cosine()
@@ -100,6 +104,7 @@ class FANDistillationCallback(TrainerCallback):
         if model is None:
             raise ValueError("FANDistillationCallback: the Trainer passed no model to on_train_begin.")
         self.memories = fan_memories(model)
+        self._model = model
         if not self.memories:
             raise ValueError("FANDistillationCallback: the model has no NeuralMemory with a FAN; build the memories "
                              "with fan=True (e.g. patch_model(model, titans=TitansConfig(..., fan=True))).")
@@ -113,6 +118,7 @@ class FANDistillationCallback(TrainerCallback):
             m.fan.requires_grad_(True)
             m.fan.distilling = True
             m.fan.reset_stats()
+        sync_titans_config(model)
         if self.distill_steps is not None and state.global_step >= self.distill_steps:
             self._switch(state)
 

@@ -20,14 +20,15 @@ How it works (no decoder layer is replaced, so the original weights keep their `
    the branch parameters are saved by ``save_pretrained`` under ``<layers>.<i>.titans_memory.*``.
    :mod:`memgrad_hf.titans.io` loads them back.
 
-6. Padding. The model's 2-D ``attention_mask`` (read by a forward pre-hook on the patched model) becomes each
-   memory's store mask: padded positions never reach the memory (``NeuralMemory(mask=...)``), so left-padded batched
+6. Padding. The model's ``attention_mask`` (read by a forward pre-hook on the patched model: 2-D, or the 4-D
+   masks ``generate`` builds for a static cache; :mod:`memgrad_hf.patches.titans_masks`) becomes each memory's
+   store mask: padded positions never reach the memory (``NeuralMemory(mask=...)``), so left-padded batched
    ``generate()`` works. With padding a multiple of ``chunk_size`` a sequence's outputs equal its unpadded run;
    otherwise its chunk boundaries shift with the padding (the memory is then as valid, just chunked differently).
 
 7. Packed documents. Where transformers itself separates documents packed into one row (``position_ids`` that
-   restart, no attention mask, no cache: padding-free training as TRL does it), each document's memory starts
-   afresh: the documents are run as a right-padded batch with a store mask and scattered back.
+   restart, no attention mask, no cache: padding-free training as TRL does it; or a block-diagonal 4-D mask), each
+   document's memory starts afresh: the documents are run as a right-padded batch with a store mask and scattered back.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ import torch
 from torch import Tensor, nn
 
 from memgrad_hf.errors import UnsupportedModelError
+from memgrad_hf.patches.titans_masks import CACHE_NAMES as _CACHE_NAMES
+from memgrad_hf.patches.titans_masks import StoreMask, install_mask_hooks, remove_hooks
 from memgrad_hf.titans.branch import GatedMemoryBranch
 from memgrad_hf.titans.config import TitansConfig
 from memgrad_hf.titans.memory import NeuralMemory, NeuralMemState
@@ -51,7 +54,6 @@ CONFIG_ATTR = "memgrad_titans"  # model.config attribute holding TitansConfig.to
 _MODEL_ATTR = "_memgrad_titans"
 _LAYER_ATTR = "_memgrad_titans_layer"
 _CACHE_ATTR = "_memgrad_titans_states"
-_CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")  # "cache": transformers >= 5.24
 
 
 @dataclass
@@ -63,15 +65,7 @@ class TitansPatch:
     had_config_attr: bool
     previous_config_value: Any
     hook_ids: tuple[int, ...] = ()  # the attention-mask hooks on the model (ids survive deepcopy; handles do not)
-    store_mask: _StoreMask | None = None
-
-
-class _StoreMask:
-    """What the model call in flight says about its tokens, shared by the model's hooks and its patched layers:
-    the padding mask, and where packed documents start (as transformers finds them from ``position_ids``)."""
-
-    mask: Tensor | None = None
-    starts: Tensor | None = None  # (B or 1, T) bool: a document starts here; None when no row holds two
+    store_mask: StoreMask | None = None
 
 
 @dataclass
@@ -83,7 +77,7 @@ class _LayerInfo:
     had_instance_forward: bool
     previous_forward: Any
     cache_pos: int | None  # its positional index (self excluded), if it can be passed positionally
-    store_mask: _StoreMask | None = None
+    store_mask: StoreMask | None = None
 
 
 @dataclass
@@ -366,55 +360,8 @@ def _layer_mask(info: _LayerInfo, x: Tensor) -> Tensor | None:
     return mask[:, mask.shape[1] - x.shape[1]:]
 
 
-def _document_starts(position_ids: Any) -> Tensor | None:
-    """Where packed documents start: ``position_ids`` not one more than the previous one (transformers' own rule,
-    ``masking_utils.find_packed_sequence_indices``); None unless some row holds more than one document."""
-    if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.shape[1] < 2:
-        return None
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
-    return starts if bool(starts[:, 1:].any()) else None
-
-
-def _install_mask_hooks(model: nn.Module) -> tuple[int, ...]:
-    """Hooks that hand the model call's 2-D ``attention_mask`` (None when it has no zero: the unmasked memory path
-    then runs) and, without one, its packed-document starts to the memory branches; one host sync per model call.
-    The hooks find the shared :class:`_StoreMask` through the model they run on, so a deep copy uses its own."""
-    try:
-        params = [p.name for p in inspect.signature(model.forward).parameters.values()]
-    except (TypeError, ValueError):
-        params = []
-
-    def arg(args: tuple, kwargs: dict, name: str) -> Any:
-        if kwargs.get(name) is not None or name not in params or len(args) <= params.index(name):
-            return kwargs.get(name)
-        return args[params.index(name)]
-
-    def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        holder = getattr(module, _MODEL_ATTR).store_mask
-        m = arg(args, kwargs, "attention_mask")
-        ok = isinstance(m, Tensor) and m.dim() == 2 and not bool(m.all())
-        holder.mask = m if ok else None
-        # transformers separates packed documents only without an attention mask (and without a cache: the
-        # layers check that), so the memory resets exactly where attention does
-        holder.starts = _document_starts(arg(args, kwargs, "position_ids")) if m is None else None
-
-    def release(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        holder = getattr(module, _MODEL_ATTR).store_mask
-        holder.mask = holder.starts = None
-
-    pre = model.register_forward_pre_hook(grab, with_kwargs=True)
-    post = model.register_forward_hook(release, with_kwargs=True, always_call=True)
-    return pre.id, post.id
-
-
-def _remove_hooks(model: nn.Module, ids: tuple[int, ...]) -> None:
-    for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
-        table = getattr(model, name, None)
-        if isinstance(table, dict):
-            for i in ids:
-                table.pop(i, None)
+def _store_mask_of(model: nn.Module) -> StoreMask:
+    return getattr(model, _MODEL_ATTR).store_mask
 
 
 def _branch_heads(self: nn.Module) -> int:
@@ -465,12 +412,37 @@ def titans_branches(model: nn.Module) -> dict[int, nn.Module]:
 
         for i, branch in titans_branches(model).items():
             branch.memory.grad_impl = "autograd"     # e.g. switch to the torch.func reference
+        sync_titans_config(model)                    # so that a save records it
     """
     patch = getattr(model, _MODEL_ATTR, None)
     if not isinstance(patch, TitansPatch):
         return {}
     layers = model.get_submodule(patch.layers_path)
     return {i: getattr(layers[i], BRANCH_ATTR) for i in patch.config.layers}
+
+
+def sync_titans_config(model: nn.Module) -> None:
+    """Record the memories' current ``grad_impl`` in the model's :class:`TitansConfig` (``model.config.memgrad_titans``,
+    which ``save_pretrained`` writes, and the patch's own copy), so that a saved model reloads the gradient that ran.
+    ``FANDistillationCallback`` calls it when it switches the memories to ``"fan"``; call it after switching by hand.
+    Memories left on different gradients are recorded as they were patched.
+
+    Example::
+
+        titans_branches(model)[3].memory.grad_impl = "fan"; sync_titans_config(model); model.save_pretrained("out")
+    """
+    from memgrad_hf.patches import _causal_lm
+
+    base = _causal_lm(model)
+    patch = getattr(base, _MODEL_ATTR, None)
+    if not isinstance(patch, TitansPatch):
+        return
+    impls = {m.grad_impl for b in titans_branches(base).values() for m in b.modules() if isinstance(m, NeuralMemory)}
+    if len(impls) != 1 or patch.config.grad_impl in impls:
+        return
+    patch.config = dataclasses.replace(patch.config, grad_impl=impls.pop())
+    if getattr(base, "config", None) is not None:
+        setattr(base.config, CONFIG_ATTR, patch.config.to_dict())
 
 
 def inject_titans(model: nn.Module, titans: TitansConfig | dict[str, Any]) -> nn.Module:
@@ -508,7 +480,7 @@ def inject_titans(model: nn.Module, titans: TitansConfig | dict[str, Any]) -> nn
         if ref is not None:
             branch.to(device=ref.device, dtype=ref.dtype)
         branches[i] = branch
-    holder = _StoreMask()
+    holder = StoreMask()
     for i, branch in branches.items():
         layer = layers[i]
         had = "forward" in layer.__dict__
@@ -525,7 +497,7 @@ def inject_titans(model: nn.Module, titans: TitansConfig | dict[str, Any]) -> nn
     if model_config is not None:
         setattr(model_config, CONFIG_ATTR, config.to_dict())
     setattr(model, _MODEL_ATTR, TitansPatch(config, path, had_attr, previous_value, (), holder))
-    getattr(model, _MODEL_ATTR).hook_ids = _install_mask_hooks(model)
+    getattr(model, _MODEL_ATTR).hook_ids = install_mask_hooks(model, _store_mask_of)
     return model
 
 
@@ -555,7 +527,7 @@ def remove_titans(model: nn.Module) -> nn.Module:
             setattr(model_config, CONFIG_ATTR, patch.previous_config_value)
         elif CONFIG_ATTR in getattr(model_config, "__dict__", {}):
             delattr(model_config, CONFIG_ATTR)
-    _remove_hooks(model, patch.hook_ids)
+    remove_hooks(model, patch.hook_ids)
     delattr(model, _MODEL_ATTR)
     return model
 
@@ -568,5 +540,6 @@ __all__ = [
     "inject_titans",
     "is_titans_patched",
     "remove_titans",
+    "sync_titans_config",
     "titans_branches",
 ]

@@ -65,11 +65,12 @@ def save_titans(model: nn.Module, save_directory: str | os.PathLike) -> str:
     """
     from safetensors.torch import save_file
 
-    from memgrad_hf.patches.titans import is_titans_patched
+    from memgrad_hf.patches.titans import is_titans_patched, sync_titans_config
 
     base = _base(model)
     if not is_titans_patched(base):
         raise ValueError(f"save_titans: {type(base).__name__} has no Titans memory (patch_model(model, titans=...)).")
+    sync_titans_config(base)
     os.makedirs(save_directory, exist_ok=True)
     path = os.path.join(os.fspath(save_directory), TITANS_WEIGHTS_NAME)
     tensors = {k: v.detach().contiguous().cpu() for k, v in titans_state_dict(base).items()}

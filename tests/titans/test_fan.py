@@ -224,3 +224,15 @@ def test_callback_on_a_patched_llama_switches_after_an_epoch(tmp_path, epochs, s
     assert cb.exact_calls_at_switch == sum(m.exact_grad_calls for m in mems) == 2 * 4 * switch  # none after it
     assert all(m.fan.calls == 4 * (8 - switch) for m in mems)
     assert cb.summary["fan_mode"] == 1 and len(cb.summary["cosine_per_memory"]) == 2
+    # what is saved records the switch, so a reload computes what ran (config.json said "manual": outputs differed)
+    from memgrad_hf.titans import from_pretrained, load_titans, save_titans
+
+    assert model.config.memgrad_titans["grad_impl"] == "fan"
+    model.eval().save_pretrained(tmp_path / "saved")
+    save_titans(model, tmp_path / "memory")
+    ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(from_pretrained(tmp_path / "saved").eval()(ids).logits, model(ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    alone = load_titans(tiny_model("llama"), tmp_path / "memory")  # the memory file's own config
+    assert {m.grad_impl for m in alone.modules() if isinstance(m, NeuralMemory)} == {"fan"}

@@ -364,6 +364,46 @@ def test_left_padded_batched_generate_equals_each_prompt_alone(family):
     assert torch.equal(batched, model.generate(ids, attention_mask=mask, use_cache=False, **kw))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: generate hands a dict of masks by layer type
+def test_left_padded_generate_with_a_static_cache_equals_each_prompt_alone(family):
+    # a static cache makes generate pass a 4-D mask: padding is read from it (was stored: rows differed)
+    model = _activate(_patched(family, layers=(0, 1)))
+    short, long = _ids(1, 3, seed=5)[0].tolist(), _ids(1, 7, seed=6)[0].tolist()
+    ids, mask = _left_pad([short, long])
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    batched = model.generate(ids, attention_mask=mask, cache_implementation="static", **kw)
+    for row, prompt in zip(batched, (short, long), strict=True):
+        assert row[-8:].tolist() == model.generate(torch.tensor([prompt]), **kw)[0][-8:].tolist()
+
+
+def _block_causal(lengths, additive=False):
+    """A 4-D mask (1, 1, T, T) of documents packed in one row, each attending causally to itself only."""
+    t = sum(lengths)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    ok = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+    return torch.zeros(t, t).masked_fill(~ok, torch.finfo(torch.float32).min)[None, None] if additive else ok[None, None]
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_4d_masks_keep_padding_out_and_restart_the_memory_per_document(additive):
+    model = _activate(_patched("llama", layers=(0, 1)))
+    docs = [_ids(1, n, seed=s)[0] for n, s in ((5, 11), (6, 12))]
+    with torch.no_grad():
+        out = model(torch.cat(docs)[None], attention_mask=_block_causal([5, 6], additive), use_cache=False).logits
+        s = 0
+        for d in docs:
+            assert torch.allclose(out[0, s:s + len(d)], model(d[None], use_cache=False).logits[0], atol=1e-5, rtol=0)
+            s += len(d)
+        # left padding in a 4-D mask: the pads' content never reaches a real token
+        ids, mask = _left_pad([_ids(1, 4, seed=7)[0].tolist(), _ids(1, 9, seed=8)[0].tolist()])
+        keys = mask[:, None, None, :].bool() & torch.ones(9, 9, dtype=torch.bool).tril()
+        four_d = torch.zeros(keys.shape).masked_fill(~keys, torch.finfo(torch.float32).min) if additive else keys
+        other = ids.clone()
+        other[mask == 0] = 17
+        a, b = (model(x, attention_mask=four_d, use_cache=False).logits for x in (ids, other))
+        assert torch.allclose(a[mask == 1], b[mask == 1], atol=1e-6, rtol=0)
+
+
 def test_padding_content_never_reaches_the_memory():
     # padding not a multiple of the chunk size: the pads' token ids must still not change any real token's logits
     model = _activate(_patched("llama", layers=(0, 1)))
@@ -407,7 +447,8 @@ def test_packed_documents_each_start_from_a_fresh_memory(checkpointing):
 
 
 def test_packed_documents_over_several_rows_equal_each_document_alone():
-    from memgrad_hf.patches.titans import _document_starts, _packed_documents
+    from memgrad_hf.patches.titans import _packed_documents
+    from memgrad_hf.patches.titans_masks import document_starts as _document_starts
     from memgrad_hf.titans import GatedMemoryBranch
 
     torch.manual_seed(0)
