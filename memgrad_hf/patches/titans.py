@@ -247,7 +247,15 @@ def _cache_length(cache: Any, index: int) -> int:
     try:
         return int(cache.get_seq_length(index))
     except (ValueError, IndexError, TypeError):  # e.g. a linear-attention cache layer tracks no length
+        pass
+    try:
         return int(cache.get_seq_length())
+    except (ValueError, IndexError, TypeError) as e:  # only state-space / linear-attention layers (mamba)
+        raise UnsupportedModelError(
+            f"Titans memory: this model's {type(cache).__name__} holds no attention layer, so it does not count "
+            "tokens and the memory state cannot follow it. Run the model uncached: model(..., use_cache=False), "
+            "generate(..., use_cache=False) (training uses no cache)."
+        ) from e
 
 
 # ------------------------------------------------------------------------------------------ the patched forward
@@ -275,8 +283,9 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         cache = None  # transformers drops the KV cache of a checkpointed layer too: the memory starts afresh
     elif cache is None and kwargs.get("use_cache"):
         raise UnsupportedModelError(
-            f"Titans memory on {name}: called with use_cache=True but no transformers Cache reached the layer, so the "
-            "memory state could not follow the KV cache."
+            f"Titans memory on {name}: called with use_cache=True but no transformers Cache reached the layer (the "
+            "model keeps a state of its own), so the memory state cannot follow it. Run the model uncached: "
+            "model(..., use_cache=False), generate(..., use_cache=False) (training uses no cache)."
         )
     entry = None
     state = None

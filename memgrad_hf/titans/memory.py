@@ -145,8 +145,8 @@ class NeuralMemory(nn.Module):
         self.activation, self.chunk_size, self.max_lr = activation, chunk_size, max_lr
         self.use_momentum, self.use_forget = momentum, forget
         inner = heads * dim_head
-        self.store_norm = nn.RMSNorm(dim)
-        self.retrieve_norm = nn.RMSNorm(dim)
+        self.store_norm = nn.RMSNorm(dim, eps=K.NORM_EPS)
+        self.retrieve_norm = nn.RMSNorm(dim, eps=K.NORM_EPS)
         self.to_keys = nn.Linear(dim, inner, bias=False)
         self.to_values = nn.Linear(dim, inner, bias=False)
         self.to_queries = nn.Linear(dim, inner, bias=False)

@@ -464,3 +464,28 @@ def test_packed_documents_over_several_rows_equal_each_document_alone():
             torch.testing.assert_close(out[r, s:s + n], branch(x[r:r + 1, s:s + n])[0][0], rtol=1e-10, atol=1e-12)
             s += n
     assert _document_starts(torch.arange(14)[None]) is None  # one document per row: the ordinary path
+
+
+@pytest.mark.parametrize("family", ["mamba", "rwkv"])
+def test_models_whose_cache_counts_no_tokens_train_and_generate_uncached(family):
+    # their cache (a state-space DynamicCache; rwkv's own state) cannot carry the memory state: a cached call says
+    # so and names use_cache=False (was a bare transformers ValueError or a generic message); uncached works
+    from transformers import MambaConfig, RwkvConfig
+
+    cfg = (MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4) if family == "mamba" else
+           RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                      intermediate_size=64, context_length=64))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    ids = _ids(n=9)
+    ref = model(ids, labels=ids, use_cache=False).loss
+    memgrad_hf.patch_model(model, titans=TitansConfig(layers=[-1], **CFG))
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, ref, rtol=1e-6, atol=0)  # step 0: the original model
+    assert titans_branches(model)[1].out.weight.grad.abs().sum() > 0  # the memory learns
+    _activate(model.eval())
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, use_cache=False, **kw), _greedy_loop(model, ids, 3))
+    with pytest.raises(UnsupportedModelError, match="use_cache=False"):
+        model.generate(ids, **kw)
