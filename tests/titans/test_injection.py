@@ -381,7 +381,8 @@ def _block_causal(lengths, additive=False):
     t = sum(lengths)
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     ok = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
-    return torch.zeros(t, t).masked_fill(~ok, torch.finfo(torch.float32).min)[None, None] if additive else ok[None, None]
+    ok = ok[None, None]
+    return torch.zeros(ok.shape).masked_fill(~ok, torch.finfo(torch.float32).min) if additive else ok
 
 
 @pytest.mark.parametrize("additive", [False, True])
