@@ -21,3 +21,14 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    # accelerate keeps one process-wide AcceleratorState: a Trainer with bf16=True would leave a later test's own
+    # Accelerator() running under bf16 autocast
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
