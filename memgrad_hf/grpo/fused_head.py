@@ -57,6 +57,9 @@ def add_fused_lm_head(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0; got {temperature}.")
     original_forward = model.forward
+    # a method bound to this model is called on the model it runs on: a deep copy (a reference or EMA model made
+    # after the head was installed) then runs its own forward, not this one's
+    own = getattr(original_forward, "__func__", None) if getattr(original_forward, "__self__", None) is model else None
     text_config = model.config.get_text_config()
     want_entropy = "entropy" in outputs
     want_diag = [o for o in ("log_sum_sq_probs", "mean_logits", "is_top1") if o in outputs]
@@ -67,7 +70,7 @@ def add_fused_lm_head(
         if not fused_lm_head:
             extra = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
             kwargs.update({k: v for k, v in extra.items() if v is not None})
-            return original_forward(*args, **kwargs)
+            return own(self, *args, **kwargs) if own is not None else original_forward(*args, **kwargs)
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
@@ -75,7 +78,7 @@ def add_fused_lm_head(
         # any head transform, inside any wrapper) and every rewrite the forward applies to the logits (softcap,
         # scales) are observed, not looked up per family; ops the chunked kernels cannot reproduce are refused.
         with capture_head_input(self) as cap:
-            body = original_forward(*args, **kwargs)
+            body = own(self, *args, **kwargs) if own is not None else original_forward(*args, **kwargs)
         probe = body.get("logits") if hasattr(body, "get") else None
         if cap.head_calls != 1 or not isinstance(probe, LogitsProbe):
             raise UnsupportedModelError(
@@ -125,8 +128,8 @@ def add_fused_lm_head(
     model.forward = types.MethodType(forward, model)
 
 
-_TRL_MODULES = ("grpo_trainer", "rloo_trainer", "kto_trainer", "sft_trainer", "dpo_trainer")
-_ORIGINALS: dict[str, Any] = {}
+_TRL_MODULES = ("grpo_trainer", "rloo_trainer", "kto_trainer", "sft_trainer", "dpo_trainer")  # imported by patch_trl
+_ORIGINALS: dict[str, Any] = {}  # module name -> TRL's add_fused_lm_head it held
 _ALL_MODELS = {"on": False}
 
 
@@ -187,30 +190,42 @@ def _dispatch(model: Any, *args: Any, **kwargs: Any) -> Any:
         _mirror_titans(policy, model)
     if _ALL_MODELS["on"] or is_memgrad_patched(model) or policy is not None:
         return add_fused_lm_head(model, *args, **kwargs)
-    original = next(iter(_ORIGINALS.values()))
-    return original(model, *args, **kwargs)
+    return _trl_original()(model, *args, **kwargs)
+
+
+def _trl_original() -> Any:
+    from trl.trainer import utils
+
+    return _ORIGINALS.get("trl.trainer.utils", utils.add_fused_lm_head)
 
 
 def _install(modules: Any = None) -> list[str]:
+    """Point every loaded ``trl`` module's ``add_fused_lm_head`` (TRL's trainers import it by name, experimental
+    ones included) and ``trl.trainer.utils``' own (for trainers imported later) to :func:`_dispatch`; with
+    ``modules != "loaded"`` the stable trainers are imported first. Returns the trainer modules routed."""
     import importlib
 
+    try:
+        original = _trl_original()
+    except ImportError:
+        return []
+    if modules != "loaded":
+        for name in _TRL_MODULES:
+            try:
+                importlib.import_module(f"trl.trainer.{name}")
+            except Exception:  # a trainer TRL does not ship (or that fails to import) is simply not patched
+                continue
     done = []
-    for name in _TRL_MODULES:
-        full = f"trl.trainer.{name}"
-        if modules == "loaded" and full not in sys.modules:
+    for full, mod in list(sys.modules.items()):
+        if mod is None or not (full == "trl" or full.startswith("trl.")):
             continue
-        try:
-            mod = importlib.import_module(full)
-        except Exception:  # a trainer TRL does not ship (or that fails to import) is simply not patched
-            continue
-        current = getattr(mod, "add_fused_lm_head", None)
-        if current is None:
-            continue
-        if current is not _dispatch:
-            _ORIGINALS[name] = current
+        current = vars(mod).get("add_fused_lm_head")  # vars(): no lazy-module import triggered
+        if current is original:
+            _ORIGINALS[full] = current
             mod.add_fused_lm_head = _dispatch
-        done.append(name)
-    return done
+        if current in (original, _dispatch) and full != "trl.trainer.utils":
+            done.append(full.rsplit(".", 1)[-1])
+    return sorted(done)
 
 
 def patch_trl() -> list[str]:
@@ -243,7 +258,12 @@ def unpatch_trl() -> None:
     """Restore TRL's own fused head in every module memgrad changed."""
     import importlib
 
-    for name, original in list(_ORIGINALS.items()):
-        importlib.import_module(f"trl.trainer.{name}").add_fused_lm_head = original
-        del _ORIGINALS[name]
     _ALL_MODELS["on"] = False
+    if not _ORIGINALS:
+        return
+    original = _trl_original()
+    for name in list(_ORIGINALS):
+        importlib.import_module(name).add_fused_lm_head = _ORIGINALS.pop(name)
+    for full, mod in list(sys.modules.items()):  # trainers imported while patched took the dispatcher
+        if mod is not None and full.startswith("trl.") and vars(mod).get("add_fused_lm_head") is _dispatch:
+            mod.add_fused_lm_head = original

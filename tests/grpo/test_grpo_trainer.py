@@ -7,8 +7,10 @@ from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
+import memgrad_hf
 from memgrad_hf.grpo import patch_trl, unpatch_trl
 from memgrad_hf.offline import build_char_tokenizer
+from tests.tiny_models import VOCAB, tiny_model
 
 
 def _reward(completions, **_):
@@ -167,13 +169,41 @@ def test_grpo_with_forge_adamw_and_exact_clipping_equals_adamw_torch(tmp_path, a
 
 
 def test_patch_trl_swaps_and_restores():
+    import importlib
+    import sys
+
     import trl.trainer.grpo_trainer as g
 
     before = g.add_fused_lm_head
+    async_name = "trl.experimental.async_grpo.async_grpo_trainer"
+    sys.modules.pop(async_name, None)
     assert "grpo_trainer" in patch_trl()
     assert g.add_fused_lm_head is not before
+    # a trainer module imported afterwards (TRL's experimental ones import the function by name) routes too
+    # (AsyncGRPOTrainer kept TRL's head: a patch_model()ed policy lost the chunked head and FORGE's head update)
+    late = importlib.import_module(async_name)
+    assert late.add_fused_lm_head is g.add_fused_lm_head
     unpatch_trl()
-    assert g.add_fused_lm_head is before
+    assert g.add_fused_lm_head is before and late.add_fused_lm_head is before
+
+
+def test_a_deep_copy_made_after_the_fused_head_scores_with_its_own_weights():
+    # e.g. a reference or EMA model copied from a trainer's policy: the copy ran the original model's forward
+    import copy
+
+    from memgrad_hf.grpo import add_fused_lm_head
+
+    model = memgrad_hf.patch_model(tiny_model("llama"))
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(3.0)
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    a = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    b = twin(input_ids=ids, labels=ids, fused_lm_head=True)
+    ref = torch.log_softmax(twin(input_ids=ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(b.log_probs, ref, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(a.log_probs, b.log_probs)
 
 
 def test_sft_trainer_through_memgrad_head_has_the_exact_gradient(tmp_path):
