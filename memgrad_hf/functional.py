@@ -407,7 +407,10 @@ def linear_cross_entropy(
     else:
         denom = 1
     if n_valid == 0:
-        return (hv.sum() * 0.0 + weight.sum() * 0.0).to(acc_out) / denom
+        # zero gradients (as torch's ignored rows get) and the value 0 / denom (nan for a mean over no token); the
+        # division stays off the graph: 0 * (1 / 0) would make the gradients nan, and a Trainer's weights with them
+        zero = sum(t.sum() * 0.0 for t in (hv, weight, bias) if t is not None).to(acc_out)
+        return zero + zero.detach() / denom
     hold = weight_grad_consumer is not None and grad_in_forward is True  # only when asked for explicitly
     if grad_in_forward is None:  # the Triton backend's fused kernel is its fast path
         grad_in_forward = acc == weight.dtype or getattr(head_impl(hv.device, weight.dtype), "PREFERS_FUSED", False)

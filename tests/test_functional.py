@@ -80,14 +80,18 @@ def test_cross_entropy_batched_shapes_and_no_grad():
     assert none.shape == (3, 5)
 
 
-def test_all_ignored_mean_is_nan_like_torch_and_sum_is_zero():
-    h, w, _, y = _inputs()
+@pytest.mark.parametrize("items", [None, 0, 4])  # 0: a Trainer's fully masked batch (num_items_in_batch=0)
+def test_all_ignored_gives_torchs_value_and_zero_gradients(items):
+    # the value as torch's (nan for a mean over no token), every gradient exactly 0 as torch gives ignored rows
+    # (the weight's was nan, which a Trainer's clipping and optimizer spread to every weight)
+    h, w, b, y = _inputs(bias=True)
     y[:] = -100
-    assert torch.isnan(linear_cross_entropy(h, w, y)) == torch.isnan(F.cross_entropy(h @ w.T, y))
-    s = linear_cross_entropy(h, w, y, num_items_in_batch=4)
-    assert s.item() == 0.0
-    s.backward()
-    assert h.grad.abs().sum() == 0
+    ours = linear_cross_entropy(h, w, y, bias=b, num_items_in_batch=items)
+    ref = F.cross_entropy(F.linear(h, w, b), y, reduction="mean" if items is None else "sum")
+    ref = ref if items is None else ref / items
+    assert torch.equal(torch.isnan(ours), torch.isnan(ref)) and (torch.isnan(ref) or ours.item() == ref.item() == 0)
+    for g in torch.autograd.grad(ours, [h, w, b]):
+        assert torch.equal(g, torch.zeros_like(g))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
