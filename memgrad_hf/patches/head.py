@@ -108,8 +108,9 @@ def _resolve_lora(head: nn.Module, hidden: torch.Tensor, owner: str):
                 "target_modules or use patch_model(model, head=False)."
             )
         a, b = head.lora_A[name], head.lora_B[name]
-        if b.bias is not None:
-            bias = b.bias if bias is None else bias + b.bias
+        if b.bias is not None:  # (lora_bias=True) PEFT scales lora_B's whole output, its bias included
+            scaled = b.bias * head.scaling[name]
+            bias = scaled if bias is None else bias + scaled
         delta = (b.weight @ a.weight) * head.scaling[name]
         dropout = head.lora_dropout[name]
         if isinstance(dropout, nn.Identity) or not dropout.training:
