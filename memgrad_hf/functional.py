@@ -55,6 +55,18 @@ def retain_head_grads():
         _RETAIN.on = prev
 
 
+def _refuse_create_graph() -> None:
+    """The head's gradients come from kernels autograd cannot differentiate again: under ``create_graph=True`` they
+    would enter the graph as constants and every second-order term through the head would be silently missing."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "memgrad_hf: a backward with create_graph=True (a gradient penalty, MAML, Hessian-vector products) "
+            "through the chunked LM head: its gradient is computed by kernels that autograd cannot differentiate "
+            "again, so the second-order terms would be wrong. Compute this loss with full logits: "
+            "model(..., skip_logits=False) on a patched model (or patch_model(model, head=False))."
+        )
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Scalar ``Σ w_i CE_i``; gradients are computed during forward and scaled by ``grad_output`` in backward."""
 
@@ -75,12 +87,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor):
+        _refuse_create_graph()
         if ctx.grads is None:
             raise RuntimeError(
                 "memgrad_hf: backward through the fused cross-entropy a second time (retain_graph=True, "
                 "torch.autograd.gradcheck): its gradients are computed in forward and handed to the first backward. "
-                "Pass grad_in_forward=False (recomputed in each backward), or wrap the earlier backward in "
-                "memgrad_hf.functional.retain_head_grads() to keep them."
+                "Wrap the earlier backward in memgrad_hf.functional.retain_head_grads() to keep them (or, calling "
+                "linear_cross_entropy yourself, pass grad_in_forward=False: recomputed in each backward)."
             )
         dx, dw, db = ctx.grads
         retain = getattr(_RETAIN, "on", False)
@@ -159,6 +172,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g_lse, g_zt, g_ent, g_zmean, _g_sumsq=None, _g_top1=None):
+        _refuse_create_graph()
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         ep, chunk, accum_dtype, vocab = ctx.cfg
         need = ctx.needs_input_grad

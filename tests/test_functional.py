@@ -523,3 +523,16 @@ def test_gradcheck_in_fp64():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="grad_in_forward=False"):
         loss.backward()
+
+
+@pytest.mark.parametrize("fn", ["cross_entropy_fused", "cross_entropy_recomputed", "logprobs"])
+def test_create_graph_through_the_head_is_refused(fn):
+    # a gradient penalty differentiates the head's gradient again; the kernels' gradients would enter that graph as
+    # constants (second-order terms silently missing: 10% off, lm_head got no gradient at all)
+    h, w, _, y = _inputs()
+    if fn == "logprobs":
+        out = linear_logprobs(h, w, y).sum()
+    else:
+        out = linear_cross_entropy(h, w, y, grad_in_forward=fn == "cross_entropy_fused")
+    with pytest.raises(RuntimeError, match="create_graph=True.*skip_logits=False"):
+        torch.autograd.grad(out, h, create_graph=True)

@@ -333,3 +333,20 @@ def test_an_offloaded_head_is_refused_with_the_fix():
     ids, labels = _batch()
     with pytest.raises(UnsupportedModelError, match="offloaded.*device_map"):
         model(input_ids=ids, labels=labels)
+
+
+def test_a_gradient_penalty_on_a_patched_model_is_refused_and_skip_logits_false_computes_it():
+    base, ref = _pair()
+    memgrad_hf.patch_model(base)
+    ids, labels = _batch()
+
+    def penalty(model, **kw):
+        loss = model(input_ids=ids, labels=labels, **kw).loss
+        (g,) = torch.autograd.grad(loss, model.model.norm.weight, create_graph=True)
+        return loss + g.square().sum()
+
+    with pytest.raises(RuntimeError, match="skip_logits=False"):
+        penalty(base)
+    ours = torch.autograd.grad(penalty(base, skip_logits=False), base.lm_head.weight)[0]
+    theirs = torch.autograd.grad(penalty(ref), ref.lm_head.weight)[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
