@@ -53,6 +53,7 @@ class HeadPatch:
     # False after unpatch_model found the forward wrapped by something installed later (see unpatch_head)
     active: bool = True
     lost_warned: bool = False  # (see head_patch)
+    loss_warned: bool = False  # (see _loss_not_causal_lm)
 
 
 # ------------------------------------------------------------------------------------------ head resolution
@@ -423,6 +424,15 @@ def _patched_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     chunked = labels is not None and (
         bool(skip_logits) if skip_logits is not None else (self.training and torch.is_grad_enabled())
     )
+    if chunked:
+        problem = _loss_not_causal_lm(self)
+        if problem:  # set after patch_model: the model's own loss, on full logits
+            if not patch.loss_warned:
+                patch.loss_warned = True
+                logger.warning("memgrad_hf: %s %s (set after patch_model): this model runs its stock forward with full "
+                               "logits from now on. Call memgrad_hf.unpatch_model(model) to say so explicitly.",
+                               type(self).__name__, problem)
+            chunked = False
     if not chunked:
         return patch.original(*args, **kwargs)
     with capture_head_input(self, patch) as cap:
@@ -466,19 +476,25 @@ def validate(model: nn.Module) -> None:
         )
     if "labels" not in inspect.signature(type(model).forward).parameters:
         raise UnsupportedModelError(f"{owner}.forward takes no `labels`; it is not a causal LM with a loss.")
+    problem = _loss_not_causal_lm(model)
+    if problem:
+        raise UnsupportedModelError(f"{owner} {problem}. Use patch_model(model, head=False), or compute your loss "
+                                    "with memgrad_hf.functional.")
+
+
+def _loss_not_causal_lm(model: nn.Module) -> str:
+    """Why the model's loss is not the causal-LM cross-entropy the chunked head computes (a ``loss_type`` or a
+    ``loss_function`` set on it), or "". Checked when patching and again per chunked forward: one set afterwards
+    must not be bypassed."""
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
     loss_type = getattr(model, "loss_type", None)
     if LOSS_MAPPING.get(loss_type or "ForCausalLM", ForCausalLMLoss) is not ForCausalLMLoss:
-        raise UnsupportedModelError(
-            f"{owner} uses loss_type={loss_type!r}; memgrad_hf's chunked head reproduces the causal-LM "
-            "cross-entropy (ForCausalLMLoss) only."
-        )
+        return (f"uses loss_type={loss_type!r}; memgrad_hf's chunked head reproduces the causal-LM cross-entropy "
+                "(ForCausalLMLoss) only")
     if "_loss_function" in model.__dict__:
-        raise UnsupportedModelError(
-            f"{owner} has a custom loss_function set; the chunked head would bypass it. Use "
-            "patch_model(model, head=False), or compute your loss with memgrad_hf.functional."
-        )
+        return "has a custom loss_function set; the chunked head would bypass it"
+    return ""
 
 
 def patch_head(model: nn.Module, *, chunk_size: int | None = None, accum_dtype: torch.dtype | None = None) -> None:

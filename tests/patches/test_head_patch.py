@@ -1,6 +1,7 @@
 """Behaviour of the patched head: HF loss options, eval/generate, save/unpatch, checkpointing, PEFT, errors."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -278,6 +279,25 @@ def test_unsupported_models_raise_named_errors():
     model.loss_function = lambda *a, **k: None
     with pytest.raises(UnsupportedModelError, match="custom loss_function"):
         memgrad_hf.patch_model(model)
+
+
+@pytest.mark.parametrize("change", ["loss_function", "loss_type"])
+def test_a_loss_set_after_patching_is_honoured_with_a_warning(change, caplog):
+    # set after patch_model the model's loss was bypassed: a custom loss gave plain cross-entropy (10.2 vs 4.6)
+    model, ref = _pair()
+    memgrad_hf.patch_model(model)
+    for m in (model, ref):
+        if change == "loss_function":
+            m.loss_function = lambda logits, labels, vocab_size, **kw: 2 * logits.float().logsumexp(-1).mean()
+        else:
+            m.loss_type = "ForMaskedLM"
+    ids, labels = _batch()
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.patches.head"):
+        ref_out, ref_g = _loss_and_grads(ref, ids, labels)
+        out, g = _loss_and_grads(model, ids, labels)
+        _loss_and_grads(model, ids, labels)
+    _assert_same(out, g, ref_out, ref_g)
+    assert caplog.text.count("set after patch_model") == 1
 
 
 def test_unknown_logit_rewrite_is_refused_not_silently_dropped():
