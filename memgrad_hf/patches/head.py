@@ -290,10 +290,13 @@ def _chunked_causal_lm_loss(
         shift_labels = labels[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
     if shift_labels.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"labels give targets of shape {tuple(shift_labels.shape)} but the LM head saw hidden states of shape "
-            f"{tuple(hidden.shape[:-1])}; with logits_to_keep, pass labels for the kept positions only."
-        )
+        if shift_labels.numel() != hidden.shape[:-1].numel():
+            raise ValueError(
+                f"labels give targets of shape {tuple(shift_labels.shape)} but the LM head saw hidden states of shape "
+                f"{tuple(hidden.shape[:-1])}: pass labels shaped like input_ids (with logits_to_keep, for the kept "
+                "positions only)."
+            )
+        shift_labels = shift_labels.reshape(hidden.shape[:-1])  # as the stock loss flattens both (1-D labels)
     loss = _chunked_cross_entropy(head, cap, patch, chain, hidden, shift_labels, ignore_index=ignore_index,
                                   label_smoothing=patch.label_smoothing, num_items_in_batch=num_items_in_batch)
     if patch.label_smoothing:

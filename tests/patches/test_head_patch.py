@@ -281,6 +281,18 @@ def test_unsupported_models_raise_named_errors():
         memgrad_hf.patch_model(model)
 
 
+def test_one_dimensional_labels_of_a_single_sequence_as_stock():
+    # stock flattens labels and logits, so labels of shape (T,) for a batch of one work; they were refused
+    model, ref = _pair()
+    memgrad_hf.patch_model(model)
+    ids, labels = _batch(b=1)
+    ref_out, ref_g = _loss_and_grads(ref, ids, labels[0])
+    out, g = _loss_and_grads(model, ids, labels[0])
+    _assert_same(out, g, ref_out, ref_g)
+    with pytest.raises(ValueError, match="shaped like input_ids"):
+        model(input_ids=ids, labels=labels[0, :-2])
+
+
 @pytest.mark.parametrize("change", ["loss_function", "loss_type"])
 def test_a_loss_set_after_patching_is_honoured_with_a_warning(change, caplog):
     # set after patch_model the model's loss was bypassed: a custom loss gave plain cross-entropy (10.2 vs 4.6)
