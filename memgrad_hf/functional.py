@@ -55,6 +55,20 @@ def retain_head_grads():
         _RETAIN.on = prev
 
 
+def accumulates_into(node_ctx: Any, index: int) -> bool:
+    """Whether the backward running ``node_ctx`` (an autograd Function's ``ctx``) accumulates into its input
+    ``index`` (a parameter): true under ``loss.backward()``, false under ``torch.autograd.grad`` and for parameters
+    left out of ``backward(inputs=...)``. An optimizer step fused into backward applies only then, as a torch
+    optimizer would only see a ``.grad`` then; otherwise the gradient is returned to autograd."""
+    node = node_ctx.next_functions[index][0]
+    if node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # torch.autograd.grad() on a leaf: it never accumulates into .grad
+        return False
+
+
 def _refuse_create_graph() -> None:
     """The head's gradients come from kernels autograd cannot differentiate again: under ``create_graph=True`` they
     would enter the graph as constants and every second-order term through the head would be silently missing."""
@@ -99,7 +113,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         retain = getattr(_RETAIN, "on", False)
         if not retain:
             ctx.grads = None  # drop our references so autograd can adopt the buffers without copying
-        if ctx.weight_consumer is not None and dw is not None:  # (the consumer only serves heads without bias)
+        if ctx.weight_consumer is not None and dw is not None and accumulates_into(ctx, 1):  # (heads without bias)
             if _defer(ctx.weight_consumer, _hand_over, ctx.weight_consumer, dw, grad, retain):
                 _hand_over(ctx.weight_consumer, dw, grad, True)  # measured now; the replay consumes the buffer
             else:
@@ -188,7 +202,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
             beta = -g_ent
         gamma = None if g_zt is None else g_zt.to(lse.dtype)
         delta = None if g_zmean is None or g_zmean.numel() == 0 else g_zmean.to(lse.dtype) / vocab
-        if ctx.weight_consumer is not None and need[1]:
+        if ctx.weight_consumer is not None and need[1] and accumulates_into(ctx, 1):
             # the weight gradient goes to the consumer one vocabulary block at a time; autograd gets None for it
             consumer = ctx.weight_consumer
             kept = [] if getattr(consumer, "keep", None) is not None and consumer.keep() else None

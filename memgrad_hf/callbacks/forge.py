@@ -36,7 +36,7 @@ class ForgeLogCallback(TrainerCallback):
             return
         ref = getattr(model, "_memgrad_forge_optimizer", None)
         stale = ref() if ref is not None else None
-        if stale is not None and stale._attached:
+        if stale is not None and stale._attached and stale.model is model:  # (not a deep copy's original)
             # e.g. a hand-written loop that did not call detach(): it would go on updating in backward at its own lr
             log.warning("A FORGE optimizer was still attached to %s (a training loop without detach()); detaching "
                         "it so that this Trainer's optimizer alone updates the model.", type(model).__name__)

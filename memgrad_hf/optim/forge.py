@@ -76,6 +76,7 @@ class _LinearPlan(NamedTuple):
     rows: int  # rows per weight-gradient tile
     impl: Any  # the update: Triton kernel (fused or split) or the torch twin
     position: int  # the parameter's position: its rounding-noise seeds
+    rule: str  # the update rule it was resolved for (ForgeSGD's changes when a scheduler sets momentum)
 
 
 def _rule_state(st: dict[str, Any]) -> dict[str, Tensor]:
@@ -241,9 +242,18 @@ class ForgeOptimizer(Optimizer):
         if self._attached:
             return
         model = self.model
-        previous = getattr(model, "_memgrad_forge_optimizer", None)
-        if previous is not None and previous() is not None and previous() is not self:
-            previous().detach()  # one FORGE optimizer per model at a time (e.g. a second Trainer takes over)
+        ref = getattr(model, "_memgrad_forge_optimizer", None)
+        previous = ref() if ref is not None else None
+        if previous is not None and previous is not self and previous.model is model and previous._attached:
+            # (a deep copy of the model carries the original's reference: that optimizer is left alone)
+            if not set(previous._group_index) & set(self._group_index):
+                raise ValueError(
+                    f"{type(self).__name__}: {type(previous).__name__} already updates other parameters of this "
+                    f"{type(model).__name__} inside backward; two FORGE optimizers cannot share one model. Pass each "
+                    "the submodule it trains (e.g. ForgeAdamW(G.parameters(), model=G) and ForgeAdamW(D.parameters(), "
+                    "model=D) for a GAN)."
+                )
+            previous.detach()  # one FORGE optimizer per model at a time (e.g. a second Trainer takes over)
         model._memgrad_forge_optimizer = weakref.ref(self)
         counts: dict[int, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
@@ -292,11 +302,14 @@ class ForgeOptimizer(Optimizer):
         st = self.state[p]
         if not st:
             st["step"] = torch.tensor(0.0)
+        names = K.RULES[self.rule][1]
+        if len(st) <= len(names):  # new, or a rule that keeps more state since (SGD given momentum by a scheduler)
             dtype = self._state_dtype_for(p)
-            for name in K.RULES[self.rule][1]:
-                st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                if dtype == K.Q_DTYPE:
-                    st[name + ".scale"] = torch.ones(K.scale_shape(p.shape), dtype=torch.float32, device=p.device)
+            for name in names:
+                if name not in st:
+                    st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                    if dtype == K.Q_DTYPE:
+                        st[name + ".scale"] = torch.ones(K.scale_shape(p.shape), dtype=torch.float32, device=p.device)
         return st
 
     def _state_dtype_for(self, p: Tensor) -> torch.dtype:
@@ -616,14 +629,15 @@ class ForgeOptimizer(Optimizer):
         changes; dropped by :meth:`load_state_dict` (new state tensors)."""
         forced = _forced_backend()
         plan = self._plans.get(weight)
-        if plan is not None and plan.forced == forced and plan.contiguous == weight.is_contiguous():
+        if (plan is not None and plan.forced == forced and plan.contiguous == weight.is_contiguous()
+                and plan.rule == self.rule):
             return plan
         st = self._state(weight)
         plan = _LinearPlan(
             forced=forced, contiguous=weight.is_contiguous(), state=st,
             rule_state=_rule_state(st),
             rows=self._linear_rows(weight), impl=self._weight_step_impl(weight),
-            position=self._group_index_pos[weight],
+            position=self._group_index_pos[weight], rule=self.rule,
         )
         self._plans[weight] = plan
         return plan
@@ -1037,10 +1051,15 @@ class ForgeSGD(ForgeOptimizer):
         if nesterov and (momentum == 0 or dampening != 0):
             raise ValueError("nesterov=True needs momentum > 0 and dampening=0 (as torch.optim.SGD).")
         groups = list(params)
-        moms = [g.get("momentum", momentum) for g in groups if isinstance(g, dict)] + [momentum]
-        self.rule = "sgd_momentum" if any(m != 0 for m in moms) else "sgd"
         super().__init__(groups, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                                       nesterov=bool(nesterov)), model=model, **kwargs)
+
+    @property
+    def rule(self) -> str:  # type: ignore[override]
+        """Momentum state only while some group has momentum: read live, since a scheduler may set it
+        (``OneCycleLR(cycle_momentum=True)``, as on ``torch.optim.SGD``); a buffer created then starts at zero, which
+        with ``dampening=0`` is torch's first momentum step."""
+        return "sgd_momentum" if any(g.get("momentum", 0) != 0 for g in getattr(self, "param_groups", ())) else "sgd"
 
 
 def _headroom(device: torch.device) -> int | None:

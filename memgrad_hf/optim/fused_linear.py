@@ -12,6 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from memgrad_hf.functional import accumulates_into
+
+
+def _refuse_create_graph() -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "FORGE: a backward with create_graph=True (a gradient penalty, MAML, Hessian-vector products) through a "
+            "layer whose optimizer step runs inside backward: the step cannot be differentiated. Use a torch "
+            "optimizer (e.g. optim='adamw_torch') for this training."
+        )
+
 
 class ForgeLinearFunction(torch.autograd.Function):
     @staticmethod
@@ -32,6 +43,7 @@ class ForgeLinearFunction(torch.autograd.Function):
         # runs once per layer and step; on a GPU at small batch the host's time per layer is the step's time, so
         # no op that is a no-op here (a reshape of a 2-D tensor, a cast to the same dtype) is issued
         ctx.done = True  # (read by the optimizer's _note_use)
+        _refuse_create_graph()
         (x,) = ctx.saved_tensors
         weight, bias, dt = ctx.weight, ctx.bias, ctx.dt
         needs = ctx.needs_input_grad
@@ -47,7 +59,9 @@ class ForgeLinearFunction(torch.autograd.Function):
         dw = None
         if needs[1]:
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            if weight in ctx.opt._shared:  # its gradient has other parts: autograd sums them, the hook applies
+            # returned to autograd where its gradient has other parts (autograd sums them, the hook applies), and
+            # where this backward does not accumulate into the weight (torch.autograd.grad, backward(inputs=...))
+            if weight in ctx.opt._shared or not accumulates_into(ctx, 1):
                 dw = (dy2.t() @ x2).to(weight.dtype)
             else:
                 ctx.opt._linear_weight_backward(weight, dy2, x2)
@@ -67,9 +81,10 @@ class ForgeEmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: Tensor):
         ctx.done = True
+        _refuse_create_graph()
         (ids,) = ctx.saved_tensors
         weight = ctx.weight
-        if weight in ctx.opt._shared:  # (see ForgeLinearFunction.backward)
+        if weight in ctx.opt._shared or not accumulates_into(ctx, 1):  # (see ForgeLinearFunction.backward)
             pad = -1 if ctx.padding_idx is None else ctx.padding_idx
             dw = torch.ops.aten.embedding_dense_backward(dy.to(weight.dtype), ids, weight.shape[0], pad, False)
             return None, dw, None, None

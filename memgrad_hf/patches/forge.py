@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -13,10 +14,19 @@ from memgrad_hf.optim.fused_linear import ForgeEmbeddingFunction, ForgeLinearFun
 _ATTR = "_memgrad_forge"
 
 
+def _optimizer_of(module: nn.Module) -> Any:
+    """The FORGE optimizer that fused ``module``, or None in a deep copy of the model (an EMA, teacher or reference
+    copy: the layer keeps the swapped forward, but its weight is not one the optimizer updates)."""
+    opt = module.__dict__[_ATTR]()  # a weakref: a deep copy of the model does not copy the optimizer and its state
+    return opt if opt is not None and module.weight in opt._fused else None
+
+
 def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # runs once per layer and step: on a GPU at small batch the host's time per layer is the step's time
     dev = x.device.type
-    opt = getattr(self, _ATTR)
+    opt = _optimizer_of(self)
+    if opt is None:
+        return nn.Linear.forward(self, x)
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         if dt == torch.float16 and torch.is_grad_enabled():
@@ -35,7 +45,9 @@ def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _forge_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    opt = getattr(self, _ATTR)
+    opt = _optimizer_of(self)
+    if opt is None:
+        return nn.Embedding.forward(self, ids)
     out = ForgeEmbeddingFunction.apply(ids, self.weight, self.padding_idx, opt)
     if out.grad_fn is not None:
         opt._note_use(self.weight, out.grad_fn)
@@ -62,7 +74,7 @@ def swap_linears(model: nn.Module, optimizer: Any, weights: set[int]) -> list[nn
             continue
         if "forward" in module.__dict__ and not hasattr(module, _ATTR):
             continue  # someone else (e.g. the chunked head capture) owns this forward right now
-        setattr(module, _ATTR, optimizer)
+        setattr(module, _ATTR, weakref.ref(optimizer))
         module.forward = types.MethodType(fwd, module)
         swapped.append(module)
     return swapped

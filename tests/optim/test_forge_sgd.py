@@ -30,6 +30,31 @@ def test_standalone_forge_sgd_equals_torch_sgd(kw):
         assert all(set(st) == {"step"} for st in opt.state.values())  # plain SGD keeps no state
 
 
+@pytest.mark.parametrize("how", ["one_cycle", "edited_later"])
+def test_momentum_given_after_construction_is_used_as_torch_sgd_uses_it(how):
+    # OneCycleLR(cycle_momentum=True, its default) sets the groups' momentum; ForgeSGD(momentum=0) kept a rule
+    # without momentum state and raised KeyError 'momentum_buffer' inside backward
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    opt = ForgeSGD(model.parameters(), model=model, lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, foreach=False)
+    scheds = []
+    for o in (opt, ref_opt):
+        if how == "one_cycle":
+            scheds.append(torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10))
+    for step in range(4):
+        if how == "edited_later" and step == 2:
+            for o in (opt, ref_opt):
+                o.param_groups[0]["momentum"] = 0.9
+        ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(step))
+        _steps_side_by_side(model, opt, ref, ref_opt, ids, 1)
+        for s in scheds:
+            s.step()
+    assert opt.rule == "sgd_momentum"
+    _assert_weights_close(model, ref)
+    opt.detach()
+
+
 def test_forge_sgd_in_trainer_equals_torch_sgd_with_momentum_and_clipping(tmp_path):
     model = tiny_model("llama")
     ref = copy.deepcopy(model)

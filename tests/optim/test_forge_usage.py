@@ -459,3 +459,85 @@ def test_accelerate_loop_clipping_through_the_optimizer_and_clip_grad_norm_warns
     assert min(norms) > 0.5
     _assert_weights_close(model, ref)
     opt.optimizer.detach()
+
+
+@pytest.mark.parametrize("patched_head", [False, True])
+def test_input_gradients_and_partial_backwards_leave_the_weights_alone(patched_head):
+    # torch.autograd.grad / backward(inputs=...) accumulate into no weight, so a torch optimizer would see no
+    # gradient: FORGE applies no step there either (it stepped every fused layer: an FGSM loop was 0.76 off and
+    # counted 8 steps for 4); autograd.grad on parameters gets their real gradients; create_graph is refused
+    model = tiny_model("llama")
+    if patched_head:  # the reference too: the perturbation amplifies the heads' rounding differences
+        memgrad_hf.patch_model(model)
+    ref = copy.deepcopy(model)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=5e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=5e-3)
+
+    def adversarial_loss(m, ids):  # FGSM-like: the input gradient first, then the loss on the perturbed input
+        emb = m.model.embed_tokens(ids).detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(m(inputs_embeds=emb, labels=ids).loss, emb)
+        return m(inputs_embeds=(emb + 10.0 * g).detach(), labels=ids).loss  # (sign() would amplify rounding)
+
+    for step in range(3):
+        ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(step))
+        adversarial_loss(model, ids).backward()
+        opt.step()
+        adversarial_loss(ref, ids).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _assert_weights_close(model, ref)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert opt.state[q]["step"] == 3
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    emb = model.model.embed_tokens(ids).detach().requires_grad_(True)
+    model(inputs_embeds=emb, labels=ids).loss.backward(inputs=[emb])
+    assert emb.grad is not None and all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
+    ours = torch.autograd.grad(model(input_ids=ids, labels=ids).loss, params)
+    theirs = torch.autograd.grad(ref(input_ids=ids, labels=ids).loss, [p for p in ref.parameters() if p.requires_grad])
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()) and opt.state[q]["step"] == 3
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(model(input_ids=ids, labels=ids).loss, params[1], create_graph=True)
+    opt.detach()
+
+
+def test_a_deep_copy_of_a_model_in_training_is_a_plain_model():
+    # an EMA / teacher / reference copy made while FORGE is attached: the copy carried a copy of the optimizer and
+    # its state (2x the copy's weights) and crashed in its first forward with grad; a FORGE optimizer created on the
+    # copy detached the original's
+    model = tiny_model("llama")
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    twin = copy.deepcopy(model)
+    assert not any(isinstance(v, torch.optim.Optimizer) for m in twin.modules() for v in vars(m).values())
+    ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(0))
+    loss = twin(input_ids=ids, labels=ids).loss
+    loss.backward()  # ordinary gradients in the copy, nothing applied to it or to the original
+    assert twin.model.layers[0].mlp.up_proj.weight.grad is not None and not opt.state
+    twin_opt = ForgeAdamW(twin.parameters(), model=twin, lr=1e-2)
+    assert opt._attached and twin_opt._attached
+    ref = copy.deepcopy(twin)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m.zero_grad(set_to_none=True)
+        m(input_ids=ids, labels=ids).loss.backward()
+        o.step()
+    _assert_weights_close(model, ref)  # the original still trains with its own optimizer
+    twin_opt.detach()
+    opt.detach()
+
+
+def test_two_forge_optimizers_on_disjoint_parts_of_one_model_are_refused():
+    # (the second silently detached the first: half of a GAN never trained) ; model=<submodule> for each is the way
+    model = tiny_model("llama")
+    first = ForgeAdamW(model.model.layers[0].parameters(), model=model, lr=1e-2)
+    with pytest.raises(ValueError, match="model=G"):
+        ForgeAdamW(model.model.layers[1].parameters(), model=model, lr=1e-2)
+    assert first._attached
+    first.detach()
+    a = ForgeAdamW(model.model.layers[0].parameters(), model=model.model.layers[0], lr=1e-2)
+    b = ForgeAdamW(model.model.layers[1].parameters(), model=model.model.layers[1], lr=1e-2)
+    assert a._attached and b._attached
+    a.detach()
+    b.detach()
