@@ -161,6 +161,12 @@ class ForgeOptimizer(Optimizer):
         # Accelerator.backward, where exact clipping hooks in (any loss: the model's, GRPO's, a compute_loss_func's)
         self._trainer_managed = model is None and forge_model is not None
         model = model if model is not None else forge_model
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(
+                f"{type(self).__name__}: model must be the nn.Module being trained; got {type(model).__name__} "
+                f"{model!r}. The second positional argument is the model: pass the learning rate by keyword, e.g. "
+                f"{type(self).__name__}(model.parameters(), model=model, lr=1e-3)."
+            )
         if isinstance(params, nn.Module):  # ForgeAdamW(model, lr=...); also Trainer(optimizer_cls_and_kwargs=(cls,
             model = params if model is None else model  # {"model": m})), which passes the model as the params
             params = params.parameters()
@@ -708,7 +714,7 @@ class ForgeOptimizer(Optimizer):
 
     def _head_weight_consumer(self, weight: Tensor) -> Any:
         """For a chunked LM head whose weight this optimizer updates: receives its gradient in vocabulary blocks."""
-        if weight not in self._fused:
+        if weight not in self._fused or weight._backward_hooks:  # (a gradient hook sees the whole gradient)
             return None
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1 and self._pending(weight):
             self._mark_shared(weight, "is used more than once before one backward (two losses through the chunked "
@@ -847,6 +853,7 @@ class ForgeOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim``'s; the added parameters are updated by the hook path (their layers are not fused)."""
+        _check_torch_options(type(self).__name__, {k: v for k, v in param_group.items() if k in _RESULT_OPTIONS})
         super().add_param_group(param_group)
         if not hasattr(self, "_group_index"):  # (the constructor's own groups)
             return
@@ -881,6 +888,9 @@ class ForgeOptimizer(Optimizer):
             p.grad = None
             return
         g, p.grad = p.grad, None
+        if g.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients (as torch's AdamW): use "
+                               "nn.Embedding(sparse=False), or torch.optim.SparseAdam for that embedding.")
         if self._mode == "skip":
             return
         self._apply(p, g)
@@ -940,6 +950,17 @@ class ForgeOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         extra = state_dict.pop("forge", {})
+        name = type(self).__name__
+        for group in state_dict.get("param_groups", ()):  # e.g. a torch AdamW's, saved with amsgrad=True
+            _check_torch_options(name, {k: v for k, v in group.items() if k in _RESULT_OPTIONS})
+        needed = set(K.RULES[self.rule][1])
+        for saved in state_dict.get("state", {}).values():
+            if saved and not self.rule.startswith("sgd") and not needed <= set(saved):
+                raise ValueError(
+                    f"{name}.load_state_dict: the saved state holds {sorted(k for k in saved if k != 'step')} per "
+                    f"parameter, not the {sorted(needed)} this optimizer keeps: it was saved by another optimizer "
+                    "(e.g. Lion's state loaded into AdamW)."
+                )
         super().load_state_dict(state_dict)
         self._plans = {}  # they point at the state tensors just replaced
         # torch.optim casts floating state to each parameter's dtype on load: restore the configured state dtype
@@ -1126,13 +1147,16 @@ def _refuse_distributed(model: nn.Module) -> None:
         )
 
 
+_RESULT_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")  # torch.optim options FORGE does not have
+
+
 def _check_torch_options(owner: str, options: dict[str, Any]) -> None:
     """``torch.optim`` keywords: implementation choices (``foreach``, ``fused``) are accepted (FORGE has its own
     kernels); options that would change the result are refused when set."""
     for key, value in options.items():
         if key in ("foreach", "fused"):
             continue
-        if key in ("amsgrad", "maximize", "capturable", "differentiable"):
+        if key in _RESULT_OPTIONS:
             if value:
                 raise ValueError(f"{owner} does not support {key}=True (torch.optim's option); use torch.optim for it.")
             continue

@@ -15,10 +15,15 @@ _ATTR = "_memgrad_forge"
 
 
 def _optimizer_of(module: nn.Module) -> Any:
-    """The FORGE optimizer that fused ``module``, or None in a deep copy of the model (an EMA, teacher or reference
-    copy: the layer keeps the swapped forward, but its weight is not one the optimizer updates)."""
+    """The FORGE optimizer that fused ``module``, or None where the layer runs as the plain module: in a deep copy of
+    the model (an EMA, teacher or reference copy: its weight is not one the optimizer updates), or for a weight with
+    a gradient hook."""
     opt = module.__dict__[_ATTR]()  # a weakref: a deep copy of the model does not copy the optimizer and its state
-    return opt if opt is not None and module.weight in opt._fused else None
+    if opt is None or module.weight not in opt._fused:
+        return None
+    # a gradient hook on the weight (Tensor.register_hook: masking rows, scaling) must see the whole gradient: the
+    # layer runs as plain nn.Linear and the update comes from the hook path, after the user's hook
+    return None if module.weight._backward_hooks else opt
 
 
 def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

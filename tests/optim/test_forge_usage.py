@@ -541,3 +541,63 @@ def test_two_forge_optimizers_on_disjoint_parts_of_one_model_are_refused():
     assert a._attached and b._attached
     a.detach()
     b.detach()
+
+
+def test_gradient_hooks_on_fused_weights_see_the_whole_gradient():
+    # the "train only the new token rows" recipe: a tensor hook masks the gradient. Fused weights bypassed their
+    # hooks (masked rows changed; a hook written g * mask crashed on None after the update had happened)
+    model = tiny_model("llama")
+    memgrad_hf.patch_model(model)  # the chunked head's block-wise update is bypassed for a hooked head too
+    ref = copy.deepcopy(model)
+    rows = {"model.embed_tokens.weight": 95, "model.layers.0.mlp.up_proj.weight": 8, "lm_head.weight": 90}
+    for m in (model, ref):
+        for name, n in rows.items():
+            w = m.get_parameter(name)
+            mask = torch.zeros(w.shape[0], 1)
+            mask[n:] = 1.0
+            w.register_hook(lambda g, mask=mask: g * mask)
+    before = {n: model.get_parameter(n).detach().clone() for n in rows}
+    opt = ForgeAdamW(model.parameters(), model=model, lr=5e-3, weight_decay=0.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=5e-3, weight_decay=0.0)
+    for step in range(2):
+        ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(step))
+        _step_both(model, opt, ref, ref_opt, lambda m, ids=ids: m(input_ids=ids, labels=ids).loss)
+    _assert_weights_close(model, ref)
+    for name, n in rows.items():
+        w = model.get_parameter(name)
+        assert torch.equal(w[:n], before[name][:n]) and not torch.equal(w[n:], before[name][n:]), name
+    opt.detach()
+
+
+def test_options_that_change_the_result_are_refused_however_they_arrive():
+    # amsgrad / maximize were refused in the constructor only: in a param group or a loaded torch state dict they
+    # were silently ignored (0.22 off with maximize); Lion's state loaded into AdamW failed inside backward;
+    # a positional lr became the model; sparse embedding gradients failed deep in a norm
+    from memgrad_hf.optim import ForgeLion
+
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="pass the learning rate by keyword"):
+        ForgeAdamW(model.parameters(), 1e-3)
+    opt = ForgeAdamW(model.parameters(), model=model)
+    with pytest.raises(ValueError, match="maximize=True"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "maximize": True})
+    with pytest.raises(ValueError, match="maximize=True"):
+        ForgeAdamW([{"params": model.parameters(), "maximize": True}], model=model)
+    ref = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(ref.parameters(), amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        opt.load_state_dict(torch_opt.state_dict())
+    lion_model = copy.deepcopy(ref)
+    lion = ForgeLion(lion_model.parameters(), model=lion_model)
+    ids = torch.randint(1, 101, (2, 10))
+    lion_model(input_ids=ids, labels=ids).loss.backward()
+    lion.step()
+    with pytest.raises(ValueError, match="another optimizer"):
+        opt.load_state_dict(lion.state_dict())
+    lion.detach()
+    opt.detach()
+    emb = nn.Embedding(10, 4, sparse=True)
+    sparse_opt = ForgeAdamW(emb.parameters(), model=emb)
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    sparse_opt.detach()
