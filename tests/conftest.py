@@ -29,6 +29,7 @@ def _fresh_accelerate_state():
     # accelerate keeps one process-wide AcceleratorState: a Trainer with bf16=True would leave a later test's own
     # Accelerator() running under bf16 autocast
     yield
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

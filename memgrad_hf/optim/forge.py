@@ -232,6 +232,7 @@ class ForgeOptimizer(Optimizer):
         self._in_layer: set[Tensor] = set()  # fused weights whose layer back-propagated since the last step()
         self._applied: set[Tensor] = set()  # updated since the last step(): a second update there is warned about
         self._warned_twice = False
+        self._warned_nosync = False
         self._swapped: list[nn.Module] = []
         self._hooks: list[Any] = []
         self._wrapped_forward = False
@@ -904,6 +905,13 @@ class ForgeOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.sync is None and not self._is_sync() and not self._warned_nosync:
+            self._warned_nosync = True  # (accelerate's wrapper skips step() there: this is a direct call)
+            log.warning(
+                "%s.step() while accelerate's GradientState says this micro-batch does not sync (sync_gradients="
+                "False, e.g. left so by an accelerator.accumulate() block that was interrupted): the gradients went "
+                "into .grad and no update was applied. Step at the sync micro-batch, or set opt.sync = True in a "
+                "loop without accumulation.", type(self).__name__)
         late = [p for p in self._unhooked if p.grad is not None]
         if late and self._is_sync():  # trainable since the hooks were set: their gradient waited in .grad
             for p in late:

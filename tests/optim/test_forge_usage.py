@@ -601,3 +601,23 @@ def test_options_that_change_the_result_are_refused_however_they_arrive():
     with pytest.raises(RuntimeError, match="sparse gradients"):
         emb(torch.tensor([1, 2])).sum().backward()
     sparse_opt.detach()
+
+
+def test_step_while_accelerate_says_no_sync_warns(caplog):
+    # a stale GradientState (an accelerator.accumulate() block interrupted mid-way) left a later hand-written loop
+    # accumulating into .grad forever, without a word
+    from accelerate.state import GradientState
+
+    model = tiny_model("llama")
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    GradientState()._set_sync_gradients(False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+            for _ in range(2):
+                ids = torch.randint(1, 101, (2, 10))
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+        assert caplog.text.count("does not sync") == 1 and not opt.state
+    finally:
+        GradientState()._set_sync_gradients(True)
+        opt.detach()
