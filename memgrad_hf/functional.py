@@ -55,6 +55,11 @@ def retain_head_grads():
         _RETAIN.on = prev
 
 
+def _consumes(consumer: Any, node_ctx: Any) -> bool:
+    """Whether ``consumer`` takes this backward's weight gradient (see ``weight_grad_consumer``)."""
+    return consumer is not None and (not getattr(consumer, "applies_update", False) or accumulates_into(node_ctx, 1))
+
+
 def accumulates_into(node_ctx: Any, index: int) -> bool:
     """Whether the backward running ``node_ctx`` (an autograd Function's ``ctx``) accumulates into its input
     ``index`` (a parameter): true under ``loss.backward()``, false under ``torch.autograd.grad`` and for parameters
@@ -113,7 +118,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         retain = getattr(_RETAIN, "on", False)
         if not retain:
             ctx.grads = None  # drop our references so autograd can adopt the buffers without copying
-        if ctx.weight_consumer is not None and dw is not None and accumulates_into(ctx, 1):  # (heads without bias)
+        if dw is not None and _consumes(ctx.weight_consumer, ctx):  # (the consumer only serves heads without bias)
             if _defer(ctx.weight_consumer, _hand_over, ctx.weight_consumer, dw, grad, retain):
                 _hand_over(ctx.weight_consumer, dw, grad, True)  # measured now; the replay consumes the buffer
             else:
@@ -202,7 +207,7 @@ class _ChunkedHeadStats(torch.autograd.Function):
             beta = -g_ent
         gamma = None if g_zt is None else g_zt.to(lse.dtype)
         delta = None if g_zmean is None or g_zmean.numel() == 0 else g_zmean.to(lse.dtype) / vocab
-        if ctx.weight_consumer is not None and need[1] and accumulates_into(ctx, 1):
+        if need[1] and _consumes(ctx.weight_consumer, ctx):
             # the weight gradient goes to the consumer one vocabulary block at a time; autograd gets None for it
             consumer = ctx.weight_consumer
             kept = [] if getattr(consumer, "keep", None) is not None and consumer.keep() else None
@@ -393,7 +398,10 @@ def linear_cross_entropy(
             over one block of vocabulary rows at a time during backward instead of being returned to autograd
             (FORGE's fused head). By default the logits are then recomputed in backward and the full weight
             gradient never exists; with ``grad_in_forward=True`` (explicitly) the gradient computed in forward is
-            held until backward and handed over from there (fewer flops, one ``[V x H]`` buffer meanwhile).
+            held until backward and handed over from there (fewer flops, one ``[V x H]`` buffer meanwhile). A
+            consumer with ``applies_update = True`` (an optimizer step) is passed over where the backward does not
+            accumulate into the weight (``torch.autograd.grad``, ``backward(inputs=...)``): the gradient then
+            returns to autograd, as it would without a consumer.
 
     Returns:
         A scalar (or ``[...]`` for ``reduction="none"``), fp32 (fp64 for an fp64 weight, which HF's own loss

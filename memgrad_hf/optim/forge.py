@@ -732,6 +732,7 @@ class ForgeOptimizer(Optimizer):
             self._apply_block(weight, state["blk"], v0, v1, dw)
 
         consume.state = state  # type: ignore[attr-defined]
+        consume.applies_update = True  # type: ignore[attr-defined]  (not under torch.autograd.grad: see functional)
         if torch.is_grad_enabled():
             self._note_use(weight, consume)
 

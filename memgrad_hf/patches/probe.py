@@ -35,14 +35,15 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 @dataclass(frozen=True)
 class Chain:
     """What has been applied to the logits so far: ``z = post * tanh(pre * u)`` (or ``pre * u``), then a vocab
-    slice ``[:vocab_limit]``; ``u`` is the head's output times the product of ``column_scales`` (per-word tensors,
-    e.g. a learned logit scale inside the head module: folded into the weight's rows, differentiably)."""
+    slice ``[:vocab_limit]``; ``u`` is the head's output with ``column_ops`` applied in order: ``("mul", s)`` a
+    per-word scale (e.g. a learned logit scale inside the head module: folded into the weight's rows), ``("add", c)``
+    a per-word bias (e.g. BART's ``final_logits_bias``: folded into the head's bias), both differentiably."""
 
     pre: float = 1.0
     tanh: bool = False
     post: float = 1.0
     vocab_limit: int | None = None
-    column_scales: tuple[torch.Tensor, ...] = field(default=(), compare=False)
+    column_ops: tuple[tuple[str, torch.Tensor], ...] = field(default=(), compare=False)
 
     def epilogue(self) -> Epilogue:
         if self.tanh:
@@ -115,8 +116,8 @@ class LogitsProbe(torch.Tensor):
 def _unsupported(owner: str, func: Any) -> str:
     return (
         f"{owner}.forward applies `{func}` to the logits after the LM head; memgrad_hf's chunked head models "
-        "only logit scales/multipliers (scalars, or one per word before any softcap), final-logit softcapping, dtype "
-        "casts and a vocab slice, so it cannot "
+        "only logit scales/multipliers (scalars, or one per word before any softcap), per-word biases, final-logit "
+        "softcapping, dtype casts and a vocab slice, so it cannot "
         "reproduce this model's loss exactly. Use patch_model(model, head=False), or open an issue with the "
         "model class."
     )
@@ -134,10 +135,13 @@ def _parse(func: Any, args: tuple, kwargs: dict, src: LogitsProbe) -> Chain:
             return chain.scaled(k)
         if k is not None and func in _DIV and k != 0:
             return chain.scaled(1.0 / k)
-    if func in _MUL and len(args) == 2 and not chain.tanh and chain.vocab_limit is None:
+    column_op = "mul" if func in _MUL else "add" if func is aten.add.Tensor and kwargs.get("alpha", 1) == 1 else None
+    # (a bias after a scalar scale would need dividing by it: refused; scales commute with everything before)
+    if (column_op and len(args) == 2 and not chain.tanh and chain.vocab_limit is None
+            and (column_op == "mul" or chain.pre == 1.0)):
         other = args[1] if isinstance(args[0], LogitsProbe) else args[0]
         if _per_word(other, src.shape[-1]):  # the tensor itself (with its autograd history), not a copy
-            return replace(chain, column_scales=(*chain.column_scales, other))
+            return replace(chain, column_ops=(*chain.column_ops, (column_op, other)))
     if func is aten.tanh.default and not chain.tanh and chain.vocab_limit is None:
         return replace(chain, tanh=True)
     if func in _VIEWS and args[1] and int(list(args[1])[-1]) == src.shape[-1]:

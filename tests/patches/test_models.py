@@ -94,7 +94,9 @@ def test_own_cross_entropy_refuses_what_it_cannot_reproduce():
 @pytest.mark.parametrize("family,bias,post", [
     ("llama", False, None), ("llama", True, None), ("gemma2", False, None),
     ("llama", False, lambda head, z: z * head.word_scale),  # a second scale, the bare Parameter as operand
-], ids=["llama", "llama_bias", "gemma2_softcap", "llama_two_scales"])
+    ("llama", True, lambda head, z: z + head.word_scale),  # a per-word bias after the scale (folded into the bias)
+    ("llama", False, lambda head, z: (z + head.word_scale) * head.word_scale),  # a bias, then scaled again
+], ids=["llama", "llama_bias", "gemma2_softcap", "llama_two_scales", "llama_word_bias", "llama_bias_then_scale"])
 def test_head_module_with_its_own_forward_is_traced(family, bias, post):
     # an nn.Linear subclass head that scales each word's logit by a learned parameter (then gemma2 softcaps): its
     # forward runs on the probe, the per-word scale folds into the weight rows; loss and every gradient (the scale's
@@ -107,13 +109,47 @@ def test_head_module_with_its_own_forward_is_traced(family, bias, post):
 
 
 @pytest.mark.parametrize("post,op", [
-    (lambda head, z: z + head.word_scale, "add"),  # a per-word bias after the linear
+    (lambda head, z: z * 2.0 + head.word_scale, "add"),  # a per-word bias after a scalar scale
     (lambda head, z: torch.tanh(z) * head.word_scale, "mul"),  # a per-word scale after a softcap
     (lambda head, z: z * torch.ones_like(z), "ones_like"),  # a full [tokens x vocab] operand
-], ids=["per_word_bias", "scale_after_tanh", "full_tensor"])
+], ids=["bias_after_scalar_scale", "scale_after_tanh", "full_tensor"])
 def test_head_module_ops_the_kernels_cannot_reproduce_are_refused(post, op):
     model = with_word_scaled_head(tiny_model("llama").train(), post=post)
     memgrad_hf.patch_model(model)
     ids = torch.randint(1, VOCAB, (2, 6))
     with pytest.raises(memgrad_hf.UnsupportedModelError, match=op):
         model(input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("name", ["bart", "marian", "pegasus", "mbart", "t5", "t5_untied"])
+def test_seq2seq_for_conditional_generation_matches_unpatched(name):
+    # bart-likes add a per-word final_logits_bias to the logits (was refused): folded into the head's bias;
+    # t5 scales the decoder output before a tied head, and computes its own cross-entropy
+    import transformers
+
+    if name.startswith("t5"):
+        config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+                                       pad_token_id=0, decoder_start_token_id=0, tie_word_embeddings=name == "t5")
+        cls = "T5ForConditionalGeneration"
+    else:
+        cls, cfg = {"bart": ("BartForConditionalGeneration", "BartConfig"), "marian": ("MarianMTModel", "MarianConfig"),
+                    "pegasus": ("PegasusForConditionalGeneration", "PegasusConfig"),
+                    "mbart": ("MBartForConditionalGeneration", "MBartConfig")}[name]
+        config = getattr(transformers, cfg)(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+                                            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                            decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=1,
+                                            decoder_start_token_id=2)
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(config).train()
+    if hasattr(model, "final_logits_bias"):
+        with torch.no_grad():
+            model.final_logits_bias.normal_()
+    ref = copy.deepcopy(model)
+    memgrad_hf.patch_model(model, chunk_size=4)
+    ids = torch.randint(3, VOCAB, (2, 7))
+    labels = torch.randint(3, VOCAB, (2, 5))
+    labels[0, :2] = -100
+    ref_out, ref_grads = _loss_and_grads(ref, ids, labels)
+    out, grads = _loss_and_grads(model, ids, labels)
+    _assert_same(out, grads, ref_out, ref_grads)
+    assert out.logits is None
