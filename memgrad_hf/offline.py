@@ -66,3 +66,25 @@ def lm_blocks(tokenizer, text: str, seq_len: int, n_blocks: int) -> list[dict]:
         {"input_ids": ids[i * seq_len:(i + 1) * seq_len], "labels": ids[i * seq_len:(i + 1) * seq_len]}
         for i in range(n_blocks)
     ]
+
+
+def run_recipe(main, argv: list[str] | None = None) -> int:
+    """Run a recipe's ``main``; a model, dataset or file that cannot be loaded (offline hub, mistyped path) ends in
+    one line naming it and the fix instead of a long traceback.
+
+    Example::
+
+        if __name__ == "__main__":
+            sys.exit(run_recipe(main))
+    """
+    import sys
+
+    try:
+        return main(argv)
+    except (OSError, ConnectionError) as e:  # (FileNotFoundError and transformers' hub errors are OSErrors)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: {type(e).__name__}: {first}\n"
+              "A --model/--dataset that is not a local path needs the Hugging Face hub (unset HF_HUB_OFFLINE, check "
+              "the network); a file path must exist. Without --model the recipe runs its offline demo.",
+              file=sys.stderr)
+        return 2

@@ -57,16 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         model = LlamaForCausalLM(LlamaConfig(
             vocab_size=32768, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=max(a.seq, 256), pad_token_id=tok.pad_token_id))
-        text = DEMO_TEXT
     else:
         tok = AutoTokenizer.from_pretrained(a.model)
         model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16 if a.bf16 else torch.float32)
-        if a.dataset:
-            from datasets import load_dataset
+    text = DEMO_TEXT
+    if a.dataset:  # (with the demo model too: its character tokenizer takes any text)
+        from datasets import load_dataset
 
-            text = "\n\n".join(load_dataset(a.dataset, split="train")[a.text_field][:20000])
-        else:
-            text = DEMO_TEXT
+        text = "\n\n".join(load_dataset(a.dataset, split="train")[a.text_field][:20000])
     data = lm_blocks(tok, text, a.seq, a.max_steps * a.batch)
     if not a.no_patch:
         memgrad_hf.patch_model(model)
@@ -90,4 +88,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from memgrad_hf.offline import run_recipe
+
+    sys.exit(run_recipe(main))

@@ -289,4 +289,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from memgrad_hf.offline import run_recipe
+
+    sys.exit(run_recipe(main))

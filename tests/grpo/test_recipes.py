@@ -30,3 +30,12 @@ def test_recipes_document_their_options():
     for script in ("grpo.py", "sft.py"):
         res = _run(script, "--help")
         assert res.returncode == 0 and "--model" in res.stdout and "--optim" in res.stdout
+
+
+def test_what_cannot_be_loaded_is_one_line_not_a_traceback():
+    # (a hub name offline, a mistyped path: an 89-line traceback; sft.py --dataset without --model was ignored)
+    for script, args in (("sft.py", ["--model", "not/a-local-model"]), ("titans_lm.py", ["--enwik8", "/nonexistent"]),
+                         ("sft.py", ["--dataset", "not/a-local-dataset", "--max_steps", "1"])):
+        res = _run(script, *args)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, (script, res.stderr[-2000:])
+        assert res.stderr.startswith("error: ") and "Without --model the recipe runs its offline demo" in res.stderr
