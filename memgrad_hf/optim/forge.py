@@ -139,6 +139,7 @@ class ForgeOptimizer(Optimizer):
     """Base class; use :class:`ForgeAdamW`, :class:`ForgeLion` or :class:`ForgeSGD`."""
 
     rule: str = ""
+    _attached_now: weakref.WeakSet = weakref.WeakSet()  # FORGE optimizers attached to a model, process-wide
 
     def __init__(
         self,
@@ -273,6 +274,7 @@ class ForgeOptimizer(Optimizer):
         self._hooked = {p for p in self._group_index if p.requires_grad}
         self._unhooked = [p for p in self._group_index if not p.requires_grad]  # (see _hook_new)
         self._attached = True
+        ForgeOptimizer._attached_now.add(self)
         self._scanned = False  # (scan_uses runs once per attach)
         # A chunked LM head hands its weight gradient over in vocabulary blocks instead of building it.
         from memgrad_hf.patches.head import set_head_weight_consumer
@@ -410,6 +412,7 @@ class ForgeOptimizer(Optimizer):
             self._wrapped_forward = False
         self._swapped, self._hooks, self._fused, self._hooked, self._unhooked = [], [], set(), set(), []
         self._attached = False
+        ForgeOptimizer._attached_now.discard(self)
         if getattr(self.model, "_memgrad_forge_optimizer", lambda: None)() is self:
             del self.model._memgrad_forge_optimizer
 

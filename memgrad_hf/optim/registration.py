@@ -149,6 +149,34 @@ def register() -> None:
     _hook_accelerator_backward()
     _hook_trainer_train()
     _hook_optim_args_parser()
+    _hook_grad_scaler()
+
+
+def _hook_grad_scaler() -> None:
+    """A ``GradScaler`` in a hand-written loop with an attached FORGE optimizer is refused at ``scaler.scale(loss)``:
+    FORGE applies each update inside that loss's backward, so the weights would move by the scaled gradient
+    (65536x) before the scaler could unscale or skip anything."""
+    import torch
+
+    original = torch.amp.GradScaler.scale
+    if getattr(original, "_memgrad_forge", False):
+        return
+
+    @functools.wraps(original)
+    def scale(self: Any, outputs: Any) -> Any:
+        from memgrad_hf.optim.forge import ForgeOptimizer
+
+        if self.is_enabled() and ForgeOptimizer._attached_now:
+            opt = next(iter(ForgeOptimizer._attached_now))
+            raise ValueError(
+                f"A GradScaler with {type(opt).__name__} (attached to {type(opt.model).__name__}): FORGE applies the "
+                "update inside backward, so the scaled gradient would reach the weights before the scaler could "
+                "unscale it. Remove the GradScaler: bf16 autocast needs none (fp16 is not supported with FORGE)."
+            )
+        return original(self, outputs)
+
+    scale._memgrad_forge = True  # type: ignore[attr-defined]
+    torch.amp.GradScaler.scale = scale
 
 
 def _hook_optim_args_parser() -> None:

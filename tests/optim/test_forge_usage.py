@@ -621,3 +621,17 @@ def test_step_while_accelerate_says_no_sync_warns(caplog):
     finally:
         GradientState()._set_sync_gradients(True)
         opt.detach()
+
+
+def test_a_grad_scaler_with_forge_is_refused_before_any_update():
+    # scaler.scale(loss).backward() applied the 65536x-scaled gradient inside backward (lm_head moved by 7.4)
+    model = tiny_model("llama")
+    before = copy.deepcopy(model)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    ids = torch.randint(1, 101, (2, 10))
+    with pytest.raises(ValueError, match="Remove the GradScaler"):
+        scaler.scale(model(input_ids=ids, labels=ids).loss)
+    _assert_weights_close(model, before, rtol=0)
+    opt.detach()
+    scaler.scale(model(input_ids=ids, labels=ids).loss)  # detached: the scaler is the user's business again
