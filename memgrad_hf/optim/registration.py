@@ -153,7 +153,7 @@ def register() -> None:
 
 
 def _hook_grad_scaler() -> None:
-    """A ``GradScaler`` in a hand-written loop with an attached FORGE optimizer is refused at ``scaler.scale(loss)``:
+    """A ``GradScaler`` on a loss that reaches an attached FORGE optimizer's layers is refused at ``scaler.scale``:
     FORGE applies each update inside that loss's backward, so the weights would move by the scaled gradient
     (65536x) before the scaler could unscale or skip anything."""
     import torch
@@ -166,8 +166,10 @@ def _hook_grad_scaler() -> None:
     def scale(self: Any, outputs: Any) -> Any:
         from memgrad_hf.optim.forge import ForgeOptimizer
 
-        if self.is_enabled() and ForgeOptimizer._attached_now:
-            opt = next(iter(ForgeOptimizer._attached_now))
+        # an attached optimizer whose layers ran a forward not yet back-propagated: this loss reaches them
+        busy = [o for o in list(ForgeOptimizer._attached_now) if any(o._pending(w) for w in list(o._last_use))]
+        if self.is_enabled() and busy:
+            opt = busy[0]
             raise ValueError(
                 f"A GradScaler with {type(opt).__name__} (attached to {type(opt.model).__name__}): FORGE applies the "
                 "update inside backward, so the scaled gradient would reach the weights before the scaler could "
