@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
 from memgrad_hf.patches.titans import sync_titans_config
@@ -20,7 +21,7 @@ def fan_memories(model: nn.Module) -> list[NeuralMemory]:
     return [m for m in model.modules() if isinstance(m, NeuralMemory) and m.fan is not None]
 
 
-class FANDistillationCallback(TrainerCallback):
+class FANDistillationCallback(TrainerCallback, ExportableState):
     """Trains each memory's :class:`~memgrad_hf.titans.FAN` against the exact inner gradient for the first part of
     training, then switches every memory to ``grad_impl="fan"``: from then on no exact inner gradient is computed.
 
@@ -67,6 +68,20 @@ class FANDistillationCallback(TrainerCallback):
         self.cosine_at_switch = float("nan")
         self.exact_calls_at_switch: int | None = None
         self.summary: dict[str, Any] = {}
+        # counted in a run this one resumes (TrainingArguments(restore_callback_states_from_checkpoint=True))
+        self._exact_before = self._fan_before = 0
+        self._restored = False
+
+    def state(self) -> dict:
+        """Saved in each checkpoint (``ExportableState``): the switch and the counters, so that a run resumed with
+        ``restore_callback_states_from_checkpoint=True`` reports them as the uninterrupted run does."""
+        return {"args": {"distill_steps": self.distill_steps, "distill_epochs": self.distill_epochs,
+                         "freeze_fan_after": self.freeze_fan_after},
+                "attributes": {"switched": self.switched, "switch_step": self.switch_step,
+                               "cosine_at_switch": self.cosine_at_switch,
+                               "exact_calls_at_switch": self.exact_calls_at_switch,
+                               "_exact_before": self.exact_grad_calls(), "_fan_before": self.fan_calls(),
+                               "_restored": True}}
 
     # -- helpers --------------------------------------------------------------------------------------------------
     def cosine(self) -> float:
@@ -75,15 +90,18 @@ class FANDistillationCallback(TrainerCallback):
         return sum(vals) / len(vals) if vals else float("nan")
 
     def exact_grad_calls(self) -> int:
-        return sum(m.exact_grad_calls for m in self.memories)
+        return self._exact_before + sum(m.exact_grad_calls for m in self.memories)
 
     def fan_calls(self) -> int:
-        return sum(m.fan.calls for m in self.memories)
+        return self._fan_before + sum(m.fan.calls for m in self.memories)
 
     def _switch(self, state: Any) -> None:
         self.cosine_at_switch = self.cosine()
         self.exact_calls_at_switch = self.exact_grad_calls()
         self.switch_step = state.global_step
+        self._switch_memories()
+
+    def _switch_memories(self) -> None:
         for m in self.memories:
             m.fan.distilling = False
             m.grad_impl = "fan"
@@ -111,6 +129,10 @@ class FANDistillationCallback(TrainerCallback):
         if self.freeze_fan_after and getattr(args, "world_size", 1) > 1 and args.ddp_find_unused_parameters is False:
             logger.warning("FANDistillationCallback: the FANs are frozen after the switch and get no gradient; DDP "
                            "with ddp_find_unused_parameters=False will stall. Set it to True.")
+        if self._restored:  # counts of the run resumed from, less what these memories have counted themselves
+            self._exact_before = max(0, self._exact_before - sum(m.exact_grad_calls for m in self.memories))
+            self._fan_before = max(0, self._fan_before - sum(m.fan.calls for m in self.memories))
+        restored_switch, self._restored = self._restored and self.switched, False
         self.switched = False
         for m in self.memories:
             if m.grad_impl == "fan":  # distillation needs the exact gradient as its target
@@ -119,7 +141,9 @@ class FANDistillationCallback(TrainerCallback):
             m.fan.distilling = True
             m.fan.reset_stats()
         sync_titans_config(model)
-        if self.distill_steps is not None and state.global_step >= self.distill_steps:
+        if restored_switch:  # resumed after the switch: as it was, with the values recorded then
+            self._switch_memories()
+        elif self._due(state):  # resumed past the switch point (steps or epochs), the callback's state not restored
             self._switch(state)
 
     def _due(self, state: Any) -> bool:

@@ -236,3 +236,33 @@ def test_callback_on_a_patched_llama_switches_after_an_epoch(tmp_path, epochs, s
                                    rtol=1e-5, atol=1e-5)
     alone = load_titans(tiny_model("llama"), tmp_path / "memory")  # the memory file's own config
     assert {m.grad_impl for m in alone.modules() if isinstance(m, NeuralMemory)} == {"fan"}
+
+
+@pytest.mark.parametrize("restore", [False, True])
+def test_a_run_resumed_after_the_switch_ends_as_the_uninterrupted_one(tmp_path, restore):
+    # distill_epochs: a run resumed past the switch distilled again (the callback checked distill_steps only): 4e-3
+    # off; with restore_callback_states_from_checkpoint the switch and its counters are the uninterrupted run's
+    import memgrad_hf
+    from memgrad_hf.callbacks import FANDistillationCallback
+    from memgrad_hf.titans import TitansConfig
+    from tests.tiny_models import tiny_model
+
+    def run(out, resume=None):
+        model = tiny_model("llama")
+        memgrad_hf.patch_model(model, titans=TitansConfig(layers=[0, -1], heads=2, chunk_size=4, max_lr=0.5, fan=True))
+        cb = FANDistillationCallback(distill_epochs=0.5)  # 8 steps per epoch: the switch at step 4
+        trainer = _trainer(model, cb, 8, out)
+        trainer.args.save_strategy, trainer.args.save_steps = "steps", 2
+        trainer.args.restore_callback_states_from_checkpoint = restore
+        trainer.train(resume_from_checkpoint=resume)
+        cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, FANDistillationCallback))
+        return model, cb
+
+    full, cb_full = run(tmp_path / "full")
+    resumed, cb_res = run(tmp_path / "res", resume=str(tmp_path / "full" / "checkpoint-6"))
+    for (n, p), q in zip(full.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert cb_full.switch_step == 4 and cb_res.switched
+    if restore:
+        for k in ("switch_step", "cosine_at_switch", "exact_calls_at_switch", "fan_exact_grad_calls", "fan_calls"):
+            assert cb_res.summary[k] == cb_full.summary[k], k
