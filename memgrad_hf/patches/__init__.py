@@ -5,6 +5,7 @@ Nothing here does arithmetic; the math lives in :mod:`memgrad_hf.kernels` behind
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -13,6 +14,8 @@ from torch import nn
 from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.patches.head import is_head_patched, patch_head, unpatch_head
 from memgrad_hf.patches.trainer import hook_trainer_compute_loss, hook_trainer_init
+
+logger = logging.getLogger(__name__)
 
 hook_trainer_compute_loss()  # Trainer's label smoothing runs through the chunked head of a patched model
 hook_trainer_init()  # a TRL trainer built around a patched model installs memgrad's fused head
@@ -49,9 +52,12 @@ def patch_model(
 
     Example::
 
-        import memgrad_hf
-        from transformers import AutoModelForCausalLM
-        model = memgrad_hf.patch_model(AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-0.5B"))
+        import memgrad_hf, torch
+        from transformers import AutoModelForCausalLM, LlamaConfig
+        model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+                                                             num_hidden_layers=2, num_attention_heads=4))
+        model = memgrad_hf.patch_model(model)        # or AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-0.5B")
+        ids = torch.randint(0, 1000, (2, 16))
         loss = model(input_ids=ids, labels=ids).loss   # same loss and gradients, no logits tensor
 
     Raises:
@@ -65,6 +71,13 @@ def patch_model(
         from memgrad_hf.patches.titans import inject_titans, remove_titans
 
         inject_titans(target, titans)
+        if target is not model:
+            logger.warning(
+                "patch_model(titans=...) on a PEFT model: the new memory trains, but PeftModel.save_pretrained and "
+                "Trainer checkpoints save the adapters only, so it would be lost (a resumed run restarts it). Patch "
+                "the base model first, then wrap it with LoraConfig(modules_to_save=['titans_memory']); or save the "
+                "memory with memgrad_hf.titans.save_titans(model, dir)."
+            )
     try:
         if head:
             patch_head(target, chunk_size=chunk_size, accum_dtype=accum_dtype)
@@ -76,7 +89,12 @@ def patch_model(
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch_model` exactly; a model that was never patched is returned unchanged."""
+    """Undo :func:`patch_model` exactly; a model that was never patched is returned unchanged.
+
+    Example::
+
+        memgrad_hf.unpatch_model(model)   # the chunked head and any Titans memory removed; the original forward back
+    """
     target = _causal_lm(model)
     unpatch_head(target)
     from memgrad_hf.patches.titans import remove_titans

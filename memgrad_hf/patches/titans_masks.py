@@ -34,6 +34,7 @@ class StoreMask:
 
     mask: Tensor | None = None  # (B, past + T) or (B, T), 1/True = a real token; None when every token is real
     starts: Tensor | None = None  # (B or 1, T) bool: a document starts here; None when no row holds two
+    left_pad_warned: bool = False
 
 
 def document_starts(position_ids: Any) -> Tensor | None:
@@ -111,6 +112,14 @@ def install_mask_hooks(model: nn.Module, holder_of: Callable[[nn.Module], StoreM
             return
         if isinstance(m, Tensor) and m.dim() == 2 and not bool(m.all()):
             holder.mask = m
+            if module.training and torch.is_grad_enabled() and not holder.left_pad_warned and not bool(m[:, 0].all()):
+                holder.left_pad_warned = True
+                logger.warning(
+                    "Titans memory: a training batch is left-padded. Pads never reach the memory, but they shift each "
+                    "row's chunk boundaries (unless the padding is a multiple of chunk_size), so a row trains "
+                    "differently from the same row unpadded. Pad on the right for training "
+                    "(tokenizer.padding_side = 'right'): then the rows equal their unpadded runs."
+                )
         # transformers separates packed documents only without an attention mask (and without a cache: the
         # layers check that), so the memory resets exactly where attention does
         if m is None:

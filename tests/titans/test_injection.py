@@ -253,6 +253,18 @@ def test_peft_lora_with_memory_in_modules_to_save():
     assert len(trained) == 1 and trained[0].grad.abs().sum() > 0
 
 
+def test_memory_added_to_a_peft_model_warns_that_peft_will_not_save_it(caplog):
+    # (the memory trained, then PEFT's save and every Trainer checkpoint left it out: resumed runs restarted it)
+    import logging
+
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj"]))
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.patches"):
+        memgrad_hf.patch_model(peft, titans=TitansConfig(layers=[1], **CFG))
+    assert "modules_to_save=['titans_memory']" in caplog.text and "save_titans" in caplog.text
+
+
 def test_save_pretrained_round_trip_and_plain_transformers_load(tmp_path):
     model = tiny_model("llama").eval()
     ids = _ids()
@@ -490,3 +502,17 @@ def test_models_whose_cache_counts_no_tokens_train_and_generate_uncached(family)
     assert torch.equal(model.generate(ids, use_cache=False, **kw), _greedy_loop(model, ids, 3))
     with pytest.raises(UnsupportedModelError, match="use_cache=False"):
         model.generate(ids, **kw)
+
+
+def test_left_padded_training_batches_are_warned_about_once(caplog):
+    import logging
+
+    model = _patched("llama", layers=(0,)).train()
+    ids, mask = _left_pad([_ids(1, 5, seed=7)[0].tolist(), _ids(1, 9, seed=8)[0].tolist()])
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.patches.titans_masks"):
+        for _ in range(2):
+            model(ids, attention_mask=mask, use_cache=False)
+        model.eval()
+        with torch.no_grad():
+            model(ids, attention_mask=mask, use_cache=False)
+    assert caplog.text.count("left-padded") == 1 and "padding_side = 'right'" in caplog.text
