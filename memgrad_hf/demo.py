@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     opts = DemoOptions(**{f: getattr(a, f) for f in asdict(d)})
     names = a.configs.split(",") if a.configs else ["stock", "patched"] + (["patched+forge"] if _forge_available()
                                                                            else [])
+    unknown = [n for n in names if n not in ("stock", "patched", "patched+forge")]
+    if unknown:  # (a typo ran an unpatched run under its name; "forge" ran FORGE on an unpatched model)
+        p.error(f"--configs: unknown {', '.join(unknown)}; choose from stock, patched, patched+forge")
     print(f"memgrad-hf demo: Llama-style model, vocab {opts.vocab}, hidden {opts.hidden}, {opts.layers} layers; "
           f"{opts.steps} steps of {opts.batch}x{opts.seq} tokens, no gradient clipping; one fresh process per "
           "configuration.", flush=True)

@@ -248,7 +248,7 @@ def _check(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, chu
     if tuple(ids.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
             f"{name} shape {tuple(ids.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}; "
-            "shift labels first if they are not aligned (labels[..., 1:] for next-token prediction)."
+            "for next-token prediction pair hidden[..., :-1, :] with labels[..., 1:]."
         )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"bias must be [vocab] = [{weight.shape[0]}]; got {_desc(bias)}.")

@@ -20,3 +20,12 @@ def test_cli_help_and_unknown_command(capsys):
     assert cli.main(["--help"]) == 0
     assert cli.main(["frobnicate"]) == 2
     assert cli.main(["bench", "no_such_bench"]) == 2
+
+
+def test_unknown_demo_configurations_are_refused(capsys):
+    # (a typo ran an unpatched run under its name)
+    import pytest
+
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--configs", "stok"])
+    assert "unknown stok" in capsys.readouterr().err
