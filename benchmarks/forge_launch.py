@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true",
                    help="also time the bf16 kernel under other tile shapes / warps / stages (LINEAR_TILES)")
     a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("forge_launch measures a GPU's kernel launches: no CUDA device here (the host side alone: "
+              "python -m benchmarks.forge_host).", file=sys.stderr)
+        return 2
     dev, bf = "cuda", torch.bfloat16
     dy = torch.randn(a.tokens, a.out, device=dev, dtype=bf)
     x = torch.randn(a.tokens, a.in_f, device=dev, dtype=bf)
