@@ -406,6 +406,16 @@ def linear_cross_entropy(
     Returns:
         A scalar (or ``[...]`` for ``reduction="none"``), fp32 (fp64 for an fp64 weight, which HF's own loss
         rounds to fp32).
+
+    Example::
+
+        import torch
+        from memgrad_hf.functional import linear_cross_entropy
+        hidden = torch.randn(2, 16, 64, requires_grad=True)      # the LM head's input
+        weight = torch.randn(1000, 64, requires_grad=True)       # lm_head.weight, [vocab, hidden]
+        labels = torch.randint(0, 1000, (2, 16))
+        loss = linear_cross_entropy(hidden[:, :-1], weight, labels[:, 1:])   # next-token loss, no [32 x 1000] logits
+        loss.backward()
     """
     _check(hidden, weight, labels, bias, chunk_size, "labels")
     if reduction not in _REDUCTIONS:
@@ -510,6 +520,14 @@ def linear_logprobs(
 
     Returns:
         ``logp`` ``[...]`` fp32 (fp64 for an fp64 weight), or ``(logp, entropy)`` if ``return_entropy``.
+
+    Example::
+
+        import torch
+        from memgrad_hf.functional import linear_logprobs
+        hidden, weight = torch.randn(4, 32, 64), torch.randn(1000, 64)
+        completion = torch.randint(0, 1000, (4, 32))
+        logp, entropy = linear_logprobs(hidden, weight, completion, temperature=0.9, return_entropy=True)  # [4, 32]
     """
     _check(hidden, weight, token_ids, bias, chunk_size, "token_ids")
     if not temperature > 0:
