@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from memgrad_hf.engine import accumulates_into, refuse_create_graph
 from memgrad_hf.kernels import head as K
 from memgrad_hf.kernels import head_impl
 
@@ -60,30 +61,9 @@ def _consumes(consumer: Any, node_ctx: Any) -> bool:
     return consumer is not None and (not getattr(consumer, "applies_update", False) or accumulates_into(node_ctx, 1))
 
 
-def accumulates_into(node_ctx: Any, index: int) -> bool:
-    """Whether the backward running ``node_ctx`` (an autograd Function's ``ctx``) accumulates into its input
-    ``index`` (a parameter): true under ``loss.backward()``, false under ``torch.autograd.grad`` and for parameters
-    left out of ``backward(inputs=...)``. An optimizer step fused into backward applies only then, as a torch
-    optimizer would only see a ``.grad`` then; otherwise the gradient is returned to autograd."""
-    node = node_ctx.next_functions[index][0]
-    if node is None:
-        return False
-    try:
-        return torch._C._will_engine_execute_node(node)
-    except RuntimeError:  # torch.autograd.grad() on a leaf: it never accumulates into .grad
-        return False
-
-
 def _refuse_create_graph() -> None:
-    """The head's gradients come from kernels autograd cannot differentiate again: under ``create_graph=True`` they
-    would enter the graph as constants and every second-order term through the head would be silently missing."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "memgrad_hf: a backward with create_graph=True (a gradient penalty, MAML, Hessian-vector products) "
-            "through the chunked LM head: its gradient is computed by kernels that autograd cannot differentiate "
-            "again, so the second-order terms would be wrong. Compute this loss with full logits: "
-            "model(..., skip_logits=False) on a patched model (or patch_model(model, head=False))."
-        )
+    refuse_create_graph("the chunked LM head", "Compute this loss with full logits: model(..., skip_logits=False) on "
+                        "a patched model (or patch_model(model, head=False)).")
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):

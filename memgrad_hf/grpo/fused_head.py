@@ -60,6 +60,10 @@ def add_fused_lm_head(
     # a method bound to this model is called on the model it runs on: a deep copy (a reference or EMA model made
     # after the head was installed) then runs its own forward, not this one's
     own = getattr(original_forward, "__func__", None) if getattr(original_forward, "__self__", None) is model else None
+
+    def run_original(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return own(self, *args, **kwargs) if own is not None else original_forward(*args, **kwargs)
+
     text_config = model.config.get_text_config()
     want_entropy = "entropy" in outputs
     want_diag = [o for o in ("log_sum_sq_probs", "mean_logits", "is_top1") if o in outputs]
@@ -70,7 +74,7 @@ def add_fused_lm_head(
         if not fused_lm_head:
             extra = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
             kwargs.update({k: v for k, v in extra.items() if v is not None})
-            return own(self, *args, **kwargs) if own is not None else original_forward(*args, **kwargs)
+            return run_original(self, *args, **kwargs)
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
@@ -78,7 +82,7 @@ def add_fused_lm_head(
         # any head transform, inside any wrapper) and every rewrite the forward applies to the logits (softcap,
         # scales) are observed, not looked up per family; ops the chunked kernels cannot reproduce are refused.
         with capture_head_input(self) as cap:
-            body = own(self, *args, **kwargs) if own is not None else original_forward(*args, **kwargs)
+            body = run_original(self, *args, **kwargs)
         probe = body.get("logits") if hasattr(body, "get") else None
         if cap.head_calls != 1 or not isinstance(probe, LogitsProbe):
             raise UnsupportedModelError(

@@ -12,16 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from memgrad_hf.functional import accumulates_into
+from memgrad_hf.engine import accumulates_into, refuse_create_graph
 
 
 def _refuse_create_graph() -> None:
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "FORGE: a backward with create_graph=True (a gradient penalty, MAML, Hessian-vector products) through a "
-            "layer whose optimizer step runs inside backward: the step cannot be differentiated. Use a torch "
-            "optimizer (e.g. optim='adamw_torch') for this training."
-        )
+    refuse_create_graph("a layer whose FORGE optimizer step runs inside backward (the step cannot be differentiated)",
+                        "Use a torch optimizer (e.g. optim='adamw_torch') for this training.")
 
 
 class ForgeLinearFunction(torch.autograd.Function):

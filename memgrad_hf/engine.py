@@ -1,0 +1,35 @@
+"""What the autograd engine is doing in the backward running now, as the fused backwards need to know: whether it
+accumulates into a parameter (a fused optimizer step applies only then) and whether it builds a graph of the
+gradients (``create_graph=True``, which gradients computed by kernels cannot join)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def accumulates_into(node_ctx: Any, index: int) -> bool:
+    """Whether the backward running ``node_ctx`` (an autograd Function's ``ctx``) accumulates into its input
+    ``index`` (a parameter): true under ``loss.backward()``, false under ``torch.autograd.grad`` and for parameters
+    left out of ``backward(inputs=...)``. An optimizer step fused into backward applies only then, as a torch
+    optimizer would only see a ``.grad`` then; otherwise the gradient is returned to autograd."""
+    node = node_ctx.next_functions[index][0]
+    if node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # torch.autograd.grad() on a leaf: it never accumulates into .grad
+        return False
+
+
+def refuse_create_graph(what: str, fix: str) -> None:
+    """Raise inside a backward run with ``create_graph=True`` (a gradient penalty, MAML, Hessian-vector products):
+    ``what`` computes its gradient with ops autograd cannot differentiate again, so the second-order terms would
+    silently be wrong. ``fix`` says what to do instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"memgrad_hf: a backward with create_graph=True (a gradient penalty, MAML, Hessian-vector products) "
+            f"through {what}: its gradient cannot be differentiated again, so the second-order terms would be "
+            f"wrong. {fix}"
+        )
