@@ -20,6 +20,7 @@ plugs in at :func:`memgrad_hf.kernels.backend`).
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from contextlib import contextmanager
 from typing import Any
@@ -98,12 +99,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         retain = getattr(_RETAIN, "on", False)
         if not retain:
             ctx.grads = None  # drop our references so autograd can adopt the buffers without copying
-        if dw is not None and _consumes(ctx.weight_consumer, ctx):  # (the consumer only serves heads without bias)
-            if _defer(ctx.weight_consumer, _hand_over, ctx.weight_consumer, dw, grad, retain):
-                _hand_over(ctx.weight_consumer, dw, grad, True)  # measured now; the replay consumes the buffer
+        if dw is not None and _consumes(ctx.weight_consumer, ctx):
+            if _defer(ctx.weight_consumer, _hand_over, ctx.weight_consumer, dw, db, grad, retain):
+                _hand_over(ctx.weight_consumer, dw, db, grad, True)  # measured now; the replay consumes the buffers
             else:
-                _hand_over(ctx.weight_consumer, dw, grad, retain)
-            dw = None
+                _hand_over(ctx.weight_consumer, dw, db, grad, retain)
+            dw = db = None
         out = []
         # the usual upstream gradient of a loss is exactly 1.0: skip a pass over dW (free to check on CPU only)
         unit = not retain and not grad.is_cuda and grad.numel() == 1 and float(grad) == 1.0
@@ -137,15 +138,18 @@ def _feed(consumer: Any, blocks: list) -> None:
         consumer(*block)
 
 
-def _hand_over(consumer: Any, dw: Tensor, grad: Tensor, retain: bool) -> None:
-    """Give a weight gradient held since forward to ``consumer`` in blocks of vocabulary rows (~4 MiB each; 64 MiB
-    on a GPU, where each block is a kernel launch), scaled by the loss's incoming gradient; the blocks are scaled in
-    place unless the buffer must survive."""
+def _hand_over(consumer: Any, dw: Tensor, db: Tensor | None, grad: Tensor, retain: bool) -> None:
+    """Give a weight (and bias) gradient held since forward to ``consumer`` in blocks of vocabulary rows (~4 MiB
+    each; 64 MiB on a GPU, where each block is a kernel launch), scaled by the loss's incoming gradient; the blocks
+    are scaled in place unless the buffers must survive."""
     rows = max(1, ((64 if dw.is_cuda else 4) << 20) // max(4 * dw.shape[1], 1))
+
+    def scaled(t: Tensor) -> Tensor:
+        return t * grad.to(t.dtype) if retain else t.mul_(grad.to(t.dtype))
+
     for v0 in range(0, dw.shape[0], rows):
         v1 = min(v0 + rows, dw.shape[0])
-        block = dw[v0:v1] * grad.to(dw.dtype) if retain else dw[v0:v1].mul_(grad.to(dw.dtype))
-        consumer(v0, v1, block, None)
+        consumer(v0, v1, scaled(dw[v0:v1]), None if db is None else scaled(db[v0:v1]))
 
 
 class _ChunkedHeadStats(torch.autograd.Function):
@@ -213,7 +217,8 @@ class _ChunkedHeadStats(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def _check(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, chunk_size: int | None, name: str):
+def _check(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, chunk_size: int | None, name: str,
+           softcap: float | None = None):
     if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
         raise ValueError(f"hidden must be a floating-point tensor [..., hidden_size]; got {_desc(hidden)}.")
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
@@ -225,6 +230,11 @@ def _check(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, chu
         )
     if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
         raise ValueError(f"{name} must be an integer tensor of token ids; got {_desc(ids)}. Use {name}.long().")
+    if tuple(ids.shape) != tuple(hidden.shape[:-1]) and tuple(ids.shape) == tuple(weight.shape[:-1]):
+        raise ValueError(
+            f"{name} shape {tuple(ids.shape)} matches weight's leading shape, not hidden's: are hidden and weight "
+            "swapped? The order is (hidden [..., H], weight [V, H], ...) (Liger's fused loss takes the weight first)."
+        )
     if tuple(ids.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
             f"{name} shape {tuple(ids.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}; "
@@ -240,6 +250,11 @@ def _check(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, chu
             f"hidden ({hidden.dtype}) and weight ({weight.dtype}) dtypes differ; cast one of them "
             "(e.g. hidden.to(weight.dtype)) or run under torch.autocast as the model does."
         )
+    if bias is not None and bias.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        raise ValueError(f"bias ({bias.dtype}) and weight ({weight.dtype}) dtypes differ; cast the bias "
+                         "(bias.to(weight.dtype)) or run under torch.autocast as the model does.")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number (the tanh cap) or None for none; got {softcap!r}.")
 
 
 def _desc(x: Any) -> str:
@@ -247,12 +262,17 @@ def _desc(x: Any) -> str:
 
 
 def _autocast(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Cast like ``nn.Linear`` under autocast (differentiably), so the kernels see one dtype."""
+    """Cast like ``nn.Linear`` under autocast (differentiably), so the kernels see one dtype. As autocast does,
+    fp64 tensors are left alone."""
     dev = hidden.device.type
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        hidden, weight = hidden.to(dt), weight.to(dt)
-        bias = None if bias is None else bias.to(dt)
+    if not torch.is_autocast_enabled(dev):
+        return hidden, weight, bias
+    dt = torch.get_autocast_dtype(dev)
+    hidden, weight, bias = (t if t is None or t.dtype == torch.float64 else t.to(dt) for t in (hidden, weight, bias))
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(f"under torch.autocast({dev!r}) hidden, weight and bias are {hidden.dtype}, {weight.dtype}, "
+                         f"{None if bias is None else bias.dtype}: autocast leaves fp64 tensors alone, so pass all of "
+                         "them in fp64 or none.")
     return hidden, weight, bias
 
 
@@ -262,6 +282,8 @@ def _compact(hidden2d: Tensor, ids: Tensor, ignore_index: int | None, vocab: int
     ids in ``[0, vocab)``, with one host sync for both (each sync stalls the host's launch queue on a GPU)."""
     if not ids.numel():
         return hidden2d, ids, None
+    if ids.dtype == torch.uint8:  # ignore_index=-100 would wrap to 156 there, and a real id 156 be dropped
+        ids = ids.long()
     valid = torch.ones_like(ids, dtype=torch.bool) if ignore_index is None else ids != ignore_index
     kept = torch.where(valid, ids, 0)  # ignored positions read as id 0: in range, so only real ids can fail
     n_valid, lo, hi = torch.stack([valid.sum(), kept.amin().long(), kept.amax().long()]).tolist()
@@ -397,7 +419,7 @@ def linear_cross_entropy(
         loss = linear_cross_entropy(hidden[:, :-1], weight, labels[:, 1:])   # next-token loss, no [32 x 1000] logits
         loss.backward()
     """
-    _check(hidden, weight, labels, bias, chunk_size, "labels")
+    _check(hidden, weight, labels, bias, chunk_size, "labels", softcap)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}; got {reduction!r}.")
     if not 0.0 <= label_smoothing < 1.0:
@@ -451,7 +473,7 @@ def linear_cross_entropy(
     if isinstance(denom, Tensor):
         w = (1.0 / denom.to(device=hv.device, dtype=acc_out)).expand(n_valid)
     else:
-        w = torch.full((n_valid,), 1.0 / float(denom), dtype=acc_out, device=hv.device)
+        w = torch.full((n_valid,), 1.0 / float(denom) if denom else math.inf, dtype=acc_out, device=hv.device)
     args = (hv, weight, bias, tv, w, ep, float(label_smoothing), float(z_loss), chunk, acc)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hv, weight, bias)):
         return _FusedLinearCrossEntropy.apply(*args, weight_grad_consumer if hold else None)
@@ -509,7 +531,7 @@ def linear_logprobs(
         completion = torch.randint(0, 1000, (4, 32))
         logp, entropy = linear_logprobs(hidden, weight, completion, temperature=0.9, return_entropy=True)  # [4, 32]
     """
-    _check(hidden, weight, token_ids, bias, chunk_size, "token_ids")
+    _check(hidden, weight, token_ids, bias, chunk_size, "token_ids", softcap)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0; got {temperature}.")
     hidden, weight, bias = _autocast(hidden, weight, bias)

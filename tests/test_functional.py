@@ -192,6 +192,10 @@ def test_never_materializes_tokens_by_vocab():
         (lambda h, w, y: linear_cross_entropy(h, w, y, reduction="none", num_items_in_batch=3), "num_items"),
         (lambda h, w, y: linear_logprobs(h, w, y, temperature=0.0), "temperature"),
         (lambda h, w, y: linear_cross_entropy(h, w, y, accum_dtype=torch.float16), "accum_dtype"),
+        (lambda h, w, y: linear_cross_entropy(w, h, y), "swapped"),  # Liger's (weight, input) order
+        (lambda h, w, y: linear_cross_entropy(h, w, y, bias=torch.zeros(V, dtype=torch.float64)), "bias"),
+        (lambda h, w, y: linear_cross_entropy(h, w, y, softcap=-30.0), "softcap"),
+        (lambda h, w, y: linear_logprobs(h, w, y, softcap=0.0), "softcap"),
     ],
 )
 def test_bad_arguments_raise_value_error_with_fix(call, match):
@@ -307,8 +311,9 @@ def test_default_chunk_size_rule():
         assert c * v * 4 <= max(10 * n * d, 256 * v * 4, 16 * v * 4) and c * v * 4 <= max(256 << 20, 16 * v * 4)
 
 
+@pytest.mark.parametrize("grad_in_forward", [None, True], ids=["recomputed", "held_from_forward"])
 @pytest.mark.parametrize("kw", [{}, {"softcap": 3.0, "label_smoothing": 0.1}, {"z_loss": 1e-3}])
-def test_weight_grad_consumer_receives_exact_blocks(kw):
+def test_weight_grad_consumer_receives_exact_blocks(kw, grad_in_forward):
     h, w, b, y = _inputs(bias=True)
     ref = linear_cross_entropy(h, w, y, bias=b, **kw)
     gh, gw, gb = torch.autograd.grad(ref, [h, w, b])
@@ -320,10 +325,14 @@ def test_weight_grad_consumer_receives_exact_blocks(kw):
 
     from memgrad_hf.kernels import head as K
 
-    out = linear_cross_entropy(h, w, y, bias=b, weight_grad_consumer=consumer, **kw)
-    (dh,) = torch.autograd.grad(out, [h])
+    # the bias gradient goes with the weight's on either path: autograd gets neither
+    out = linear_cross_entropy(h, w, y, bias=b, weight_grad_consumer=consumer, grad_in_forward=grad_in_forward, **kw)
+    (2 * out).backward()
+    assert w.grad is None and b.grad is None
     assert rel_err(out, ref) < 1e-6
-    assert rel_err(dh, gh) < 1e-5 and rel_err(got_w, gw) < 1e-5 and rel_err(got_b, gb) < 1e-5
+    assert rel_err(h.grad, 2 * gh) < 1e-5 and rel_err(got_w, 2 * gw) < 1e-5 and rel_err(got_b, 2 * gb) < 1e-5
+    if grad_in_forward:
+        return
     # with a tiny block budget the vocabulary is walked in several blocks, with the same result
     real = K.head_backward_vocab_blocks
     calls = []
@@ -536,3 +545,35 @@ def test_create_graph_through_the_head_is_refused(fn):
         out = linear_cross_entropy(h, w, y, grad_in_forward=fn == "cross_entropy_fused")
     with pytest.raises(RuntimeError, match="create_graph=True.*skip_logits=False"):
         torch.autograd.grad(out, h, create_graph=True)
+
+
+def test_uint8_labels_keep_every_id():
+    # -100 does not exist in uint8: compared there it wrapped to 156, and id 156 was dropped as ignored
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(5, D, generator=g, requires_grad=True), torch.randn(300, D, generator=g)
+    y = torch.tensor([156, 10, 200, 255, 0], dtype=torch.uint8)
+    z = h @ w.T
+    for kw in ({}, {"ignore_index": -1}):
+        ref = F.cross_entropy(z, y.long(), reduction="none", **kw)
+        assert rel_err(linear_cross_entropy(h, w, y, reduction="none", **kw), ref) < 1e-6
+    assert rel_err(linear_logprobs(h, w, y), torch.log_softmax(z, -1).gather(1, y.long()[:, None])[:, 0]) < 1e-6
+
+
+def test_fp64_is_left_alone_under_autocast():
+    # as torch.autocast leaves fp64 ops alone (it was computed in bf16 and returned in fp32)
+    h, w, b, y = _inputs(torch.float64, bias=True)
+    plain = linear_cross_entropy(h, w, y, bias=b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = linear_cross_entropy(h, w, y, bias=b)
+        with pytest.raises(ValueError, match="fp64"):
+            linear_cross_entropy(h, w.float(), y)
+    assert cast.dtype == torch.float64 and rel_err(cast, plain) < 1e-12
+
+
+@pytest.mark.parametrize("grad_in_forward", [None, False])
+def test_num_items_zero_divides_as_a_tensor_zero_does(grad_in_forward):
+    # a Python 0 raised ZeroDivisionError on the fused path; torch.tensor(0) and the recompute path gave inf
+    h, w, _, y = _inputs()
+    got = linear_cross_entropy(h, w, y, num_items_in_batch=0, grad_in_forward=grad_in_forward)
+    ref = linear_cross_entropy(h, w, y, num_items_in_batch=torch.tensor(0), grad_in_forward=grad_in_forward)
+    assert torch.isinf(got) and got == ref

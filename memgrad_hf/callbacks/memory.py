@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -9,6 +10,27 @@ import torch
 from transformers import TrainerCallback
 
 from memgrad_hf import memory
+
+logger = logging.getLogger(__name__)
+# transformers' per-step warning when it is asked to count tokens and a batch has no ``input_ids``
+_NO_INPUT_IDS = "Tried to track the number of tokens seen"
+
+
+class _UncountedBatches(logging.Filter):
+    """Drops transformers' per-step token-count warning (counting was our idea, not the user's) and counts it.
+
+    TRL's GRPO / RLOO batches are prompts, not ``input_ids``: those trainers count tokens themselves, and
+    transformers would warn at every step that it cannot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith(_NO_INPUT_IDS):
+            self.dropped += 1
+            return False
+        return True
 
 
 class MemoryReportCallback(TrainerCallback):
@@ -40,10 +62,13 @@ class MemoryReportCallback(TrainerCallback):
         self._since_log: list[float] = []
         self._tokens0 = 0
         self._warm: tuple[float, int] | None = None  # (time, tokens) at the end of the first step
+        self._uncounted: _UncountedBatches | None = None  # set when we switched token counting on
+        self._said_uncounted = False
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if getattr(args, "include_num_input_tokens_seen", "no") in ("no", False):
             args.include_num_input_tokens_seen = "all"
+            self._uncounted = _UncountedBatches()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._device = torch.device(args.device) if getattr(args, "device", None) is not None else self._device
@@ -54,6 +79,10 @@ class MemoryReportCallback(TrainerCallback):
         self._step_times.clear()
         self._since_log.clear()
         self._warm = None
+        self._said_uncounted = False
+        if self._uncounted is not None:
+            self._uncounted.dropped = 0
+            logging.getLogger("transformers.trainer").addFilter(self._uncounted)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._device.type == "cuda":
@@ -75,11 +104,22 @@ class MemoryReportCallback(TrainerCallback):
         out = {
             "peak_mem_mb": round(peak / memory.MiB, 1),
             "peak_added_mem_mb": round(max(peak - self._base, 0) / memory.MiB, 1),
-            "tokens_per_s": round((state.num_input_tokens_seen - self._tokens0) / elapsed, 1),
         }
+        if self._tokens_counted(state):
+            out["tokens_per_s"] = round((state.num_input_tokens_seen - self._tokens0) / elapsed, 1)
         if self._since_log:
             out["step_time_s"] = round(sum(self._since_log) / len(self._since_log), 4)
         return out
+
+    def _tokens_counted(self, state: Any) -> bool:
+        """False when the batches carried no ``input_ids`` and the trainer did not count tokens itself either."""
+        if self._uncounted is None or not self._uncounted.dropped or state.num_input_tokens_seen > self._tokens0:
+            return True
+        if not self._said_uncounted:  # once per run, not at every log
+            logger.warning("MemoryReportCallback: tokens_per_s is left out: the training batches carry no "
+                           "`input_ids` to count (set the model's `main_input_name` to the batch key that holds them).")
+            self._said_uncounted = True
+        return False
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         m = self._metrics(state)
@@ -91,11 +131,13 @@ class MemoryReportCallback(TrainerCallback):
             state.log_history[-1].update(m)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._uncounted is not None:
+            logging.getLogger("transformers.trainer").removeFilter(self._uncounted)
         m = self._metrics(state)
         times = sorted(self._step_times[1:] or self._step_times)  # the first step pays one-off costs
         m["step_time_s"] = round(times[len(times) // 2], 4) if times else float("nan")
         m["steps"] = len(self._step_times)
-        if self._warm is not None and len(self._step_times) > 1:  # throughput after the first step, like the time
+        if "tokens_per_s" in m and self._warm is not None and len(self._step_times) > 1:  # after step 1, as the time
             t0, n0 = self._warm
             m["tokens_per_s"] = round((state.num_input_tokens_seen - n0) / max(time.perf_counter() - t0, 1e-9), 1)
         self.summary = m

@@ -268,3 +268,34 @@ def test_reference_model_of_a_titans_policy_gets_its_memory(tmp_path):
         assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     trainer.train()
     assert trainer.state.log_history[0]["kl"] == 0.0
+
+
+def test_memory_report_under_grpo_counts_trls_tokens_without_a_warning_per_step(tmp_path):
+    # GRPO batches are prompts (no input_ids): transformers, asked by the callback to count tokens, warned at every
+    # step that it could not; TRL counts them itself, and tokens_per_s comes from its count.
+    import logging
+
+    from memgrad_hf.callbacks import MemoryReportCallback
+
+    model, tok = _model_and_tokenizer(tmp_path, from_path=False)
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, max_steps=3, logging_steps=1, report_to="none", save_strategy="no",
+                      bf16=False, use_vllm=False, disable_tqdm=True)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    trainer_logger = logging.getLogger("transformers.trainer")
+    trainer_logger.addHandler(handler)
+    report = MemoryReportCallback()
+    try:
+        trainer = GRPOTrainer(model=memgrad_hf.patch_model(model), args=args, reward_funcs=_reward,
+                              processing_class=tok, train_dataset=Dataset.from_dict({"prompt": ["abc", "1+2="] * 4}),
+                              callbacks=[report])
+        trainer.train()
+    finally:
+        trainer_logger.removeHandler(handler)
+    assert not [r for r in records if "number of tokens seen" in r.getMessage()]
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 3 and all(h["tokens_per_s"] > 0 for h in logged)
+    assert report.summary["tokens_per_s"] > 0
+    assert trainer_logger.filters == []  # the filter leaves with the run
