@@ -139,6 +139,7 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
                 m.grad_impl = "manual"
             m.fan.requires_grad_(True)
             m.fan.distilling = True
+            m.fan.accumulation_steps = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
             m.fan.reset_stats()
         sync_titans_config(model)
         if restored_switch:  # resumed after the switch: as it was, with the values recorded then
@@ -169,6 +170,7 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         for m in self.memories:
             m.fan.distilling = False  # no FAN training in later evaluation or generation
+            m.fan.accumulation_steps = 1
         self.summary = {**self._metrics(), "switched": self.switched, "switch_step": self.switch_step,
                         "cosine_at_switch": self.cosine_at_switch, "exact_calls_at_switch": self.exact_calls_at_switch,
                         "cosine_per_memory": [m.fan.cosine for m in self.memories]}

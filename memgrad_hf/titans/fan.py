@@ -91,6 +91,9 @@ class FAN(nn.Module):
         distilling: when on (and the memory uses an exact gradient, in training), :meth:`observe` trains the FAN.
         calls: how many chunks were computed with the FAN's predicted gradient (:meth:`memory_step`).
         distill_calls: how many exact gradients the FAN was trained on.
+        accumulation_steps: micro-batches per optimizer step (1; :class:`FANDistillationCallback` sets the
+            Trainer's ``gradient_accumulation_steps`` while it trains): the attached loss is divided by it, as the
+            Trainer divides the model's loss, so a step's distillation gradient is the mean over its micro-batches.
 
     Example::
 
@@ -116,6 +119,7 @@ class FAN(nn.Module):
         self.distilling = False
         self.calls = 0
         self.distill_calls = 0
+        self.accumulation_steps = 1
         self._recent: deque[Tensor] = deque(maxlen=window)
         self._recent_layers: deque[Tensor] = deque(maxlen=window)
 
@@ -195,7 +199,7 @@ class FAN(nn.Module):
         self._recent.append(cos.mean())
         if attach_to is None:
             return None
-        return attach_loss(attach_to, loss, self.loss_coef)
+        return attach_loss(attach_to, loss, self.loss_coef / self.accumulation_steps)
 
     @property
     def cosine(self) -> float:

@@ -266,3 +266,36 @@ def test_a_run_resumed_after_the_switch_ends_as_the_uninterrupted_one(tmp_path, 
     if restore:
         for k in ("switch_step", "cosine_at_switch", "exact_calls_at_switch", "fan_exact_grad_calls", "fan_calls"):
             assert cb_res.summary[k] == cb_full.summary[k], k
+
+
+def test_distillation_under_gradient_accumulation_is_the_mean_over_micro_batches(tmp_path):
+    # The FAN's loss was attached at full weight on every micro-batch: 2 accumulation steps of 1 row gave it twice
+    # the gradient of 1 step of 2 rows (the model's own loss is divided by the Trainer). Plain SGD shows the scale.
+    import copy
+
+    from transformers import Trainer, TrainingArguments
+
+    from memgrad_hf.callbacks import FANDistillationCallback
+
+    torch.manual_seed(0)
+    base = TinyMemoryLM()
+    base.mem.fan.loss_coef = 1.0
+    rows = torch.randint(0, 32, (2, 32), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": r, "labels": r} for r in rows]
+    trained = []
+    for batch, accumulation in ((2, 1), (1, 2)):
+        model = copy.deepcopy(base)
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=batch,
+                                 gradient_accumulation_steps=accumulation, optim="sgd", learning_rate=0.5,
+                                 max_grad_norm=0.0, lr_scheduler_type="constant", save_strategy="no",
+                                 report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[FANDistillationCallback()])
+        trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(data)
+        trainer.train()
+        assert model.mem.fan.accumulation_steps == 1  # reset after training
+        trained.append(model)
+    fans = (trained[0].mem.fan.parameters(), base.mem.fan.parameters())
+    moved = [(a - b).abs().max().item() for a, b in zip(*fans, strict=True)]
+    assert min(moved) > 1e-4  # the step did train the FAN
+    for (name, a), b in zip(trained[0].named_parameters(), trained[1].parameters(), strict=True):
+        assert rel_err(a, b) < 1e-5, name
