@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import os
@@ -64,6 +65,7 @@ _KERNELS = ("auto", "fused", "split")
 _SPLIT_MIN_NUMEL = 4096 * 4096
 _MIN_8BIT_NUMEL = 4096  # smaller tensors keep fp32 state under state_dtype="8bit"
 _NO_CONTEXT = contextlib.nullcontext()
+_FORWARD_KEYS = itertools.count()  # one __dict__ key per model forward wrapper (_wrap_model_forward)
 
 
 class _LinearPlan(NamedTuple):
@@ -112,8 +114,9 @@ def _gradient_state_class() -> type | None:
     return _GRADIENT_STATE[0]
 
 
-class _ClipRoot(torch.autograd.Function):
-    """Identity on the loss; its backward runs the norm pass through the rest of the graph first."""
+class _LossRoot(torch.autograd.Function):
+    """Identity on the loss. Its backward runs first: it marks that backward as the one whose hooked updates are
+    applied (:meth:`ForgeOptimizer._enter`) and, under exact clipping, runs the norm pass before any update."""
 
     @staticmethod
     def forward(ctx: Any, loss: Tensor, opt: ForgeOptimizer, inner: list) -> Tensor:
@@ -125,14 +128,33 @@ class _ClipRoot(torch.autograd.Function):
         opt = ctx.opt
         opt._hook_new()  # parameters unfrozen since: their gradient must enter this norm
         task = torch._C._current_graph_task_id()
-        if opt._is_sync() and not opt._measuring(task):
+        if opt._measuring(task):  # (a loss wrapped twice: the outer wrapper did it all)
+            return grad, None, None
+        if opt.needs_norm_pass and opt._is_sync():
             if opt._replays_clip():
                 opt._begin_norm(grad.device, record=task)
+                opt._enter(task)  # (its callback is queued first: deferred gradients are measured before the replay)
                 # runs when this backward has walked the whole graph: the norm is known, the records replay
                 torch.autograd.Variable._execution_engine.queue_callback(opt._end_record)
-            else:
-                opt._norm_pass(ctx.inner[0], grad)
+                return grad, None, None
+            opt._norm_pass(ctx.inner[0], grad)
+        opt._enter(task)
         return grad, None, None
+
+
+class _NormRoot(torch.autograd.Function):
+    """Identity on the loss of a norm-only backward (``clip_pass="backward"``): marks that backward, as
+    :class:`_LossRoot` marks the update backward."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: Tensor, opt: ForgeOptimizer) -> Tensor:
+        ctx.opt = opt
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):
+        ctx.opt._enter(torch._C._current_graph_task_id())
+        return grad, None
 
 
 class ForgeOptimizer(Optimizer):
@@ -153,14 +175,17 @@ class ForgeOptimizer(Optimizer):
         stochastic_rounding: bool = False,
         state_dtype: torch.dtype | str | None = None,
         forge_model: nn.Module | None = None,
+        _trainer_managed: bool = False,
         head_grad: str = "auto",
         kernel: str = "auto",
         clip_pass: str = "auto",
         **torch_options: Any,
     ) -> None:
-        # The Trainer passes the model as forge_model; its losses reach backward through accelerate's
-        # Accelerator.backward, where exact clipping hooks in (any loss: the model's, GRPO's, a compute_loss_func's)
-        self._trainer_managed = model is None and forge_model is not None
+        # forge_model: the model under a keyword that the Trainer's optimizer_cls_and_kwargs and PEFT's
+        # create_loraplus_optimizer leave free. _trainer_managed (set by the optim="forge_*" registration; for any
+        # other optimizer by Trainer.train, see begin_trainer): its losses reach backward through accelerate's
+        # Accelerator.backward, where the loss's root hooks in (any loss: the model's, GRPO's, a compute_loss_func's)
+        self._trainer_managed = _trainer_managed
         model = model if model is not None else forge_model
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(
@@ -195,6 +220,7 @@ class ForgeOptimizer(Optimizer):
         state_dtype = _parse_dtype(state_dtype)
         super().__init__(params, defaults)
         _note_low_precision_weights(self.param_groups, state_dtype)
+        _note_gradient_readers(model)
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
         self.clip = clip
@@ -212,10 +238,19 @@ class ForgeOptimizer(Optimizer):
         self._coef = 1.0
         self._prev_norm: float | None = None
         self._stash: dict[Tensor, Tensor] = {}  # accumulated gradients, set aside during the norm pass
+        self._outside: dict[Tensor, Tensor | None] = {}  # trainable parameters outside the groups (_begin_norm)
         self._stash_counted: set[Tensor] = set()
         self._replays: list[Any] | None = None  # clip_pass="replay": the updates recorded during the norm pass
         self._norm_task: int | str | None = None  # the backward measuring the norm ("backward": a norm-only pass)
         self._nonfinite_seen = False
+        # The backward the loss's root began (_enter), and the hooked parameters whose gradient arrived inside a
+        # backward nested in it (reentrant gradient checkpointing runs one per segment: a parameter used in two
+        # segments, or in one and in the loss, gets its gradient in parts there): applied once, complete, when the
+        # root's backward ends (_leave)
+        self._root_task: int | None = None
+        self._deferred: dict[Tensor, None] = {}
+        self._defer_all = False  # this backward's every hooked gradient waits for its end (reentrant checkpointing)
+        self._reentrant_seen: tuple[Any, bool] = (None, False)  # (the model's checkpointing flag, reentrant found)
         # per device: (Σ g² of this step's updates, skipped tiles), summed in place on the device by every update
         # and read once, in step(); kept across steps (zeroed there) so that a layer's update allocates nothing
         self._step_sums: dict[torch.device, tuple[Tensor, Tensor]] = {}
@@ -280,7 +315,7 @@ class ForgeOptimizer(Optimizer):
         from memgrad_hf.patches.head import set_head_weight_consumer
 
         set_head_weight_consumer(model, self._head_weight_consumer)
-        if self.needs_norm_pass and not self._trainer_managed:
+        if not self._trainer_managed:
             self._wrap_model_forward()
 
     # ------------------------------------------------------------------------------------------- plumbing
@@ -358,37 +393,42 @@ class ForgeOptimizer(Optimizer):
 
     def clip_root(self, loss: Tensor) -> Tensor:
         """``loss`` (a scalar) wrapped so that its backward first runs the norm-only pass (exact clipping), then
-        the update pass; unchanged when clipping is off or ``loss`` has no graph. What ``Accelerator.backward`` (the
+        the update pass, and hooked gradients that arrive in parts from nested backwards (reentrant checkpointing)
+        are applied once, complete; unchanged when ``loss`` has no graph. What ``Accelerator.backward`` (the
         Trainer) applies to every loss after ``import memgrad_hf``."""
-        if not (self.needs_norm_pass and isinstance(loss, Tensor) and loss.requires_grad and loss.dim() == 0):
+        if not (isinstance(loss, Tensor) and loss.requires_grad and loss.dim() == 0):
             return loss
-        return _ClipRoot.apply(loss, self, [loss])
+        return _LossRoot.apply(loss, self, [loss])
 
     def _wrap_model_forward(self) -> None:
         model, opt = self.model, self
-        original = model.forward
         self._had_instance_forward = "forward" in model.__dict__
+        # The forward it wraps is kept in the model's __dict__, bound to the model, under a key of its own (a wrapper
+        # left in place by detach may sit inside the next one): copy.deepcopy rebinds it to the copy, which then runs
+        # its own forward, plain (opt.model is not the copy), where a closure would run the original model's
+        key = f"_memgrad_forge_inner_forward_{next(_FORWARD_KEYS)}"
+        model.__dict__[key] = model.forward
         on = {"wrap": True}  # off once detached while something wraps it in turn (see detach)
 
         def forward(self_: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            return opt._wrap_loss(out) if on["wrap"] else out
+            out = self_.__dict__[key](*args, **kwargs)
+            return opt._wrap_loss(out) if on["wrap"] and opt.model is self_ else out
 
         functools.update_wrapper(forward, type(model).forward)  # inspect.signature sees the class's forward
         forward._memgrad_forge_on = on  # type: ignore[attr-defined]
         model.forward = types.MethodType(forward, model)
         self._wrapped_forward = True
-        self._original_forward = original
+        self._forward_key = key
         self._forward_switch = on
 
     def _wrap_loss(self, out: Any) -> Any:
         if not torch.is_grad_enabled():
             return out
         if isinstance(out, Tensor):
-            return _ClipRoot.apply(out, self, [out]) if out.requires_grad and out.dim() == 0 else out
+            return _LossRoot.apply(out, self, [out]) if out.requires_grad and out.dim() == 0 else out
         loss = out.get("loss") if hasattr(out, "get") else None
         if isinstance(loss, Tensor) and loss.requires_grad:
-            out["loss"] = _ClipRoot.apply(loss, self, [loss])
+            out["loss"] = _LossRoot.apply(loss, self, [loss])
         return out
 
     def detach(self) -> None:
@@ -406,11 +446,13 @@ class ForgeOptimizer(Optimizer):
             current = self.model.__dict__.get("forward")
             if getattr(getattr(current, "__func__", None), "_memgrad_forge_on", None) is self._forward_switch:
                 self.model.__dict__.pop("forward")
+                inner = self.model.__dict__.pop(self._forward_key)
                 if self._had_instance_forward:
-                    self.model.forward = self._original_forward
+                    self.model.forward = inner
             # else wrapped in turn since (accelerate's autocast wrapper, ...): kept, ours passes calls through
             self._wrapped_forward = False
         self._swapped, self._hooks, self._fused, self._hooked, self._unhooked = [], [], set(), set(), []
+        self._root_task, self._deferred = None, {}
         self._attached = False
         ForgeOptimizer._attached_now.discard(self)
         if getattr(self.model, "_memgrad_forge_optimizer", lambda: None)() is self:
@@ -450,11 +492,28 @@ class ForgeOptimizer(Optimizer):
         self._norm_task = "backward" if record is None else record
         for p in self._stash:
             p.grad = None
+        # Under the Trainer, trainable parameters outside the groups (unfrozen after the optimizer was built, an
+        # adapter switched on since): never updated, but their gradients count in its clip_grad_norm_(model.
+        # parameters()). A norm-only backward's gradient is set aside from theirs, which the update backward builds.
+        # (In your own loop the norm is the optimizer's parameters', as clip_grad_norm_ over them)
+        self._outside = {p: p.grad for p in self.model.parameters()
+                         if p.requires_grad and p not in self._group_index} if self._trainer_managed else {}
+        if record is None:
+            for p in self._outside:
+                p.grad = None
 
     def _end_norm(self) -> None:
         """Leave the norm pass: restore the stashed gradients and set the clip coefficient (or skip the step)."""
         for p, g in self._stash.items():
             p.grad = g
+        replayed = self._norm_task != "backward"
+        for p, before in self._outside.items():
+            g = p.grad if replayed or before is None or p.grad is None else p.grad + before
+            if g is not None:
+                self._measure(g)
+            if not replayed:
+                p.grad = before
+        self._outside = {}
         self._stash, self._stash_counted, self._norm_task = {}, set(), None
         norm = float(self._norm_sq.sqrt())
         self.last_grad_norm = norm
@@ -472,9 +531,40 @@ class ForgeOptimizer(Optimizer):
         self._begin_norm(loss.device)
         try:
             with retain_head_grads():
-                torch.autograd.backward(loss, grad, retain_graph=True)
+                with torch.enable_grad():  # (a backward runs without grad mode: the root needs a graph node)
+                    root = _NormRoot.apply(loss, self)
+                torch.autograd.backward(root, grad, retain_graph=True)
         finally:
             self._end_norm()
+
+    def _enter(self, task: int) -> None:
+        """The loss's root began backward ``task``: hooked gradients that arrive inside a backward nested in it wait
+        for its end (:meth:`_leave`). A root still set from a backward that raised is dropped (its partial gradients
+        stay in ``.grad``, as torch leaves them, and join this backward's)."""
+        if self._root_task == task:  # (a loss wrapped twice)
+            return
+        self._root_task, self._deferred = task, {}
+        # A parameter used inside a reentrant checkpointed segment and also outside it (a penalty in the loss) gets
+        # one part in this backward and one in the segment's: neither comes first reliably, so all wait
+        self._defer_all = self._reentrant_checkpointing()
+        torch.autograd.Variable._execution_engine.queue_callback(self._leave)
+
+    def _reentrant_checkpointing(self) -> bool:
+        """Whether transformers' gradient checkpointing runs with ``use_reentrant=True`` in the model (read again
+        when the model's checkpointing flag changes)."""
+        flag = getattr(self.model, "is_gradient_checkpointing", None)
+        if flag != self._reentrant_seen[0]:
+            found = bool(flag) and any(
+                getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant")
+                for m in self.model.modules() if getattr(m, "gradient_checkpointing", False))
+            self._reentrant_seen = (flag, found)
+        return self._reentrant_seen[1]
+
+    def _leave(self) -> None:
+        """The root's backward has ended: every deferred gradient is complete; apply (or measure) each once."""
+        deferred, self._deferred, self._root_task, self._defer_all = self._deferred, {}, None, False
+        for p in deferred:
+            self._on_grad(p)
 
     def _measure(self, g: Tensor) -> None:
         """Add Σ g² to the norm pass's total (fp64 across tensors). On CPU each tensor's sum is one fp32 BLAS dot
@@ -880,6 +970,9 @@ class ForgeOptimizer(Optimizer):
     def _on_grad(self, p: Tensor) -> None:
         if p.grad is None or not self._is_sync():  # fused weights reach here with no gradient: nothing to do
             return
+        if self._root_task is not None and (self._defer_all or torch._C._current_graph_task_id() != self._root_task):
+            self._deferred[p] = None  # (maybe) part of the gradient, from a nested backward: the rest may follow
+            return
         if p in self._fused and p not in self._shared and p in self._in_layer:
             # a gradient from a use outside the layer, which arrives after the layer's own fused update: this step
             # applies the two separately; from the next step on the parts are summed first (exact). (Without the
@@ -925,6 +1018,7 @@ class ForgeOptimizer(Optimizer):
             self._hook_new()
         self._applied.clear()
         self._in_layer.clear()
+        self._root_task, self._deferred = None, {}
         self._shared = set(self._shared_fixed)  # marks found at forward hold for their step only
         now, bad = 0.0, 0
         for norm_sq, skipped in self._step_sums.values():  # one host read per device and step
@@ -950,7 +1044,7 @@ class ForgeOptimizer(Optimizer):
         self.scan_uses(loss)
         if self.needs_norm_pass and loss.dim() > 0 and self._is_sync():  # clip_root takes scalars
             self._norm_pass(loss, torch.ones_like(loss))
-        elif not isinstance(loss.grad_fn, _ClipRoot._backward_cls):  # (the model's own loss is wrapped already)
+        elif not isinstance(loss.grad_fn, _LossRoot._backward_cls):  # (the model's own loss is wrapped already)
             loss = self.clip_root(loss)
         loss.backward()
 
@@ -1000,7 +1094,9 @@ class ForgeAdamW(ForgeOptimizer):
 
     Args:
         params: parameters or parameter groups (as for ``torch.optim.AdamW``).
-        model: the ``nn.Module`` those parameters belong to (its ``nn.Linear`` layers get the fused backward).
+        model: the ``nn.Module`` those parameters belong to (its ``nn.Linear`` layers get the fused backward);
+            ``forge_model=`` is the same, under a keyword that the Trainer's ``optimizer_cls_and_kwargs`` and PEFT's
+            ``create_loraplus_optimizer`` leave free.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         max_grad_norm: global-norm clipping threshold (0 = off).
         clip: ``"exact"`` (the global norm is measured before any update) or ``"previous"`` (the previous step's
@@ -1145,6 +1241,21 @@ def _note_low_precision_weights(groups: list[dict[str, Any]], state_dtype: torch
             "torch.optim keeps for such weights); the default (state_dtype=auto) keeps bf16 state for them, as torch "
             "does, and optim_args='state_dtype=8bit' a quarter of it."
         )
+
+
+def _note_gradient_readers(model: nn.Module) -> None:
+    """PEFT methods whose training reads ``.grad`` after backward, which FORGE never leaves (see the warning)."""
+    configs = getattr(model, "peft_config", None)
+    for name, cfg in (configs.items() if isinstance(configs, dict) else ()):
+        kind = str(getattr(getattr(cfg, "peft_type", None), "value", getattr(cfg, "peft_type", "")))
+        what = {"ADALORA": "AdaLoRA's rank allocation (model.update_and_allocate)",
+                "ADAMSS": "ADAMSS's adaptive subspace allocation (AdamssAsaCallback)"}.get(kind.upper())
+        if what and (kind.upper() != "ADAMSS" or getattr(cfg, "use_asa", False)):
+            log.warning(
+                "forge: adapter %r: %s scores parameters by their .grad after backward, and FORGE applies each update "
+                "inside backward and leaves no .grad: update_and_allocate raises a TypeError, a callback that skips "
+                "missing gradients silently allocates nothing. The adapter still trains, without reallocation; for "
+                "that, train it with torch.optim (e.g. optim='adamw_torch').", name, what)
 
 
 def _refuse_distributed(model: nn.Module) -> None:

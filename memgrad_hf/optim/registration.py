@@ -75,6 +75,7 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
     elif cls is ForgeLion:
         kwargs["betas"] = (args.adam_beta1, args.adam_beta2)
     kwargs["forge_model"] = ctx.model
+    kwargs["_trainer_managed"] = True  # (the root and exact clipping hook into Accelerator.backward)
     kwargs["max_grad_norm"] = float(args.max_grad_norm or 0.0)
     for key, value in (ctx.optim_args or {}).items():
         if key in ("clip", "clip_pass", "head_grad", "kernel"):

@@ -83,3 +83,25 @@ def test_everything_at_once_in_trainer_equals_stock(tmp_path, head_grad, clip_pa
     assert head, "the lm_head copy is trained"
     for (n, p), q in zip(got.named_parameters(), ref.parameters(), strict=True):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), n
+
+
+@pytest.mark.parametrize("method", ["adalora", "adamss_asa", "adamss", "lora"])
+def test_peft_methods_that_read_grad_after_backward_are_warned_about(method, caplog):
+    # AdaLoRA's update_and_allocate multiplied by p.grad (None under FORGE: a bare TypeError in PEFT); ADAMSS's ASA
+    # callback skipped every parameter without .grad (its allocation silently off)
+    import types
+
+    from peft import AdaLoraConfig
+
+    if method == "adalora":
+        model = get_peft_model(tiny_model("llama"),
+                               AdaLoraConfig(target_modules=["q_proj", "v_proj"], total_step=10, init_r=4))
+    elif method == "lora":
+        model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    else:  # (building AdamssConfig's model needs scikit-learn: its config as PEFT records it)
+        model = tiny_model("llama")
+        model.peft_config = {"default": types.SimpleNamespace(peft_type="ADAMSS", use_asa=method == "adamss_asa")}
+    with caplog.at_level("WARNING", logger="memgrad_hf"):
+        ForgeAdamW(model.parameters(), model=model, lr=1e-3).detach()
+    warned = [r.getMessage() for r in caplog.records if "leaves no .grad" in r.getMessage()]
+    assert len(warned) == (method in ("adalora", "adamss_asa")) and all("adamw_torch" in m for m in warned)

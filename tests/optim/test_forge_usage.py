@@ -503,12 +503,14 @@ def test_input_gradients_and_partial_backwards_leave_the_weights_alone(patched_h
     opt.detach()
 
 
-def test_a_deep_copy_of_a_model_in_training_is_a_plain_model():
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+def test_a_deep_copy_of_a_model_in_training_is_a_plain_model(max_grad_norm):
     # an EMA / teacher / reference copy made while FORGE is attached: the copy carried a copy of the optimizer and
     # its state (2x the copy's weights) and crashed in its first forward with grad; a FORGE optimizer created on the
-    # copy detached the original's
+    # copy detached the original's. With the model's forward wrapped (the loss's root), the copy ran the original
+    # model's forward (its own parameters got no gradient)
     model = tiny_model("llama")
-    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=max_grad_norm)
     twin = copy.deepcopy(model)
     assert not any(isinstance(v, torch.optim.Optimizer) for m in twin.modules() for v in vars(m).values())
     ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -522,6 +524,8 @@ def test_a_deep_copy_of_a_model_in_training_is_a_plain_model():
     for m, o in ((model, opt), (ref, ref_opt)):
         m.zero_grad(set_to_none=True)
         m(input_ids=ids, labels=ids).loss.backward()
+        if o is ref_opt and max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
         o.step()
     _assert_weights_close(model, ref)  # the original still trains with its own optimizer
     twin_opt.detach()
@@ -635,3 +639,28 @@ def test_a_grad_scaler_with_forge_is_refused_before_any_update():
     _assert_weights_close(model, before, rtol=0)
     opt.detach()
     scaler.scale(model(input_ids=ids, labels=ids).loss)  # detached: the scaler is the user's business again
+
+
+def test_forge_model_spelling_in_a_hand_written_loop_clips_exactly():
+    # PEFT's create_loraplus_optimizer(model, cls, ...) takes `model` itself, so LoRA+ passes forge_model=: that
+    # spelling was taken for the Trainer's, left the model's forward unwrapped, and exact clipping then failed in
+    # backward ("needs the loss to come from model(...)"), though it did
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if "up_proj" in n], "lr": 5e-2},
+              {"params": [p for n, p in named if "up_proj" not in n]}]
+    opt = ForgeAdamW(groups, forge_model=model, lr=1e-2, max_grad_norm=0.5)
+    rnamed = list(ref.named_parameters())
+    ref_opt = torch.optim.AdamW([{"params": [p for n, p in rnamed if "up_proj" in n], "lr": 5e-2},
+                                 {"params": [p for n, p in rnamed if "up_proj" not in n]}], lr=1e-2)
+    for step in range(3):
+        ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(input_ids=ids, labels=ids).loss.backward()
+            if o is ref_opt:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            o.step()
+            o.zero_grad()
+    opt.detach()
+    _assert_weights_close(model, ref)
