@@ -149,14 +149,23 @@ def test_memory_report_callback_logs_metrics(tmp_path):
     assert cb.summary["steps"] == 3 and cb.summary["tokens_per_s"] > 0
 
 
-def test_memory_report_without_countable_tokens_says_so_once(tmp_path, caplog):
+@pytest.mark.parametrize("verbosity", ["warning", "error"])
+def test_memory_report_without_countable_tokens_says_so_once(tmp_path, caplog, verbosity):
     # Batches without the model's main input (here renamed): nothing counts tokens. transformers' warning at every
-    # step gives way to one of the callback's, and tokens_per_s is left out rather than logged as 0.
+    # step gives way to one of the callback's, and tokens_per_s is left out rather than logged as 0 (whatever
+    # transformers' own log level: its warning is no signal)
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(getattr(hf_logging, verbosity.upper()))
     model = tiny_model("llama")
     model.main_input_name = "pixel_values"
     cb = MemoryReportCallback()
-    with caplog.at_level("WARNING", logger="memgrad_hf"):
-        trainer = _train(model, tmp_path, 1, callbacks=[cb])
+    try:
+        with caplog.at_level("WARNING", logger="memgrad_hf"):
+            trainer = _train(model, tmp_path, 1, callbacks=[cb])
+    finally:
+        hf_logging.set_verbosity(level)
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 3 and not any("tokens_per_s" in h for h in logged) and "tokens_per_s" not in cb.summary
     assert all(h["peak_mem_mb"] > 0 for h in logged)

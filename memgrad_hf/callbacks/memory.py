@@ -17,20 +17,13 @@ _NO_INPUT_IDS = "Tried to track the number of tokens seen"
 
 
 class _UncountedBatches(logging.Filter):
-    """Drops transformers' per-step token-count warning (counting was our idea, not the user's) and counts it.
+    """Drops transformers' per-step token-count warning (counting was our idea, not the user's).
 
     TRL's GRPO / RLOO batches are prompts, not ``input_ids``: those trainers count tokens themselves, and
     transformers would warn at every step that it cannot."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.dropped = 0
-
     def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith(_NO_INPUT_IDS):
-            self.dropped += 1
-            return False
-        return True
+        return not str(record.msg).startswith(_NO_INPUT_IDS)
 
 
 class MemoryReportCallback(TrainerCallback):
@@ -81,7 +74,6 @@ class MemoryReportCallback(TrainerCallback):
         self._warm = None
         self._said_uncounted = False
         if self._uncounted is not None:
-            self._uncounted.dropped = 0
             logging.getLogger("transformers.trainer").addFilter(self._uncounted)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -112,8 +104,9 @@ class MemoryReportCallback(TrainerCallback):
         return out
 
     def _tokens_counted(self, state: Any) -> bool:
-        """False when the batches carried no ``input_ids`` and the trainer did not count tokens itself either."""
-        if self._uncounted is None or not self._uncounted.dropped or state.num_input_tokens_seen > self._tokens0:
+        """False when steps ran and no token was counted: the batches carried no ``input_ids`` and the trainer did
+        not count tokens itself either (a rate of 0 would be wrong)."""
+        if not self._step_times or state.num_input_tokens_seen > self._tokens0:
             return True
         if not self._said_uncounted:  # once per run, not at every log
             logger.warning("MemoryReportCallback: tokens_per_s is left out: the training batches carry no "

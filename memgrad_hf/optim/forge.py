@@ -460,12 +460,16 @@ class ForgeOptimizer(Optimizer):
 
     # ------------------------------------------------------------------------------------------- the step
 
+    def _checkpointing(self) -> bool | None:
+        """The model's gradient-checkpointing flag (None for a model without one)."""
+        on = getattr(self.model, "is_activation_checkpointing", None)  # transformers >= 5.x; older: the other name
+        return on if on is not None else getattr(self.model, "is_gradient_checkpointing", None)
+
     def _replays_clip(self) -> bool:
         """Exact clipping by recording and replaying the updates (one backward) rather than a second backward."""
         if self.clip_pass != "auto":
             return self.clip_pass == "replay"
-        on = getattr(self.model, "is_activation_checkpointing", None)  # transformers >= 5.x; older: the other name
-        return not (on if on is not None else getattr(self.model, "is_gradient_checkpointing", False))
+        return not self._checkpointing()
 
     def _measuring(self, task: int) -> bool:
         """A norm pass is under way in backward ``task`` (a loss wrapped twice, e.g. ``model(...).loss * 2`` passed
@@ -552,7 +556,7 @@ class ForgeOptimizer(Optimizer):
     def _reentrant_checkpointing(self) -> bool:
         """Whether transformers' gradient checkpointing runs with ``use_reentrant=True`` in the model (read again
         when the model's checkpointing flag changes)."""
-        flag = getattr(self.model, "is_gradient_checkpointing", None)
+        flag = self._checkpointing()
         if flag != self._reentrant_seen[0]:
             found = bool(flag) and any(
                 getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant")
