@@ -16,6 +16,22 @@ def test_bench_head_runs_through_the_cli(capsys):
     assert out.count("### profile: ") == 3 and "aten::mm" in out and "failed:" not in out
 
 
+def test_bench_head_memory_runs_through_the_cli(capsys, tmp_path):
+    png = tmp_path / "plot.png"
+    rc = cli.main(["bench", "head_memory", "--tokens", "32", "64", "--hidden", "16", "--vocab", "256",
+                   "--peers", "hf", "memgrad", "--png", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [line for line in out.splitlines() if line.startswith(("| 32 |", "| 64 |"))]
+    assert len(rows) == 2 and all(r.count("MiB") == 2 for r in rows), out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "no plot: matplotlib is not installed" in out and not png.exists()
+    else:
+        assert png.stat().st_size > 0
+
+
 def test_bench_compat_reports_exact_for_known_families(capsys):
     rc = cli.main(["bench", "compat", "llama", "gemma2", "bart", "prophetnet"])
     out = capsys.readouterr().out
