@@ -18,12 +18,12 @@ def test_bench_head_runs_through_the_cli(capsys):
 
 def test_bench_head_memory_runs_through_the_cli(capsys, tmp_path):
     png = tmp_path / "plot.png"
-    rc = cli.main(["bench", "head_memory", "--tokens", "32", "64", "--hidden", "16", "--vocab", "256",
-                   "--peers", "hf", "memgrad", "--png", str(png)])
+    rc = cli.main(["bench", "head_memory", "--tokens", "32", "--hidden", "16", "--vocab", "256",
+                   "--peers", "hf", "memgrad", "--png", str(png)])  # (each cell is a spawned process: ~10 s)
     out = capsys.readouterr().out
     assert rc == 0, out
-    rows = [line for line in out.splitlines() if line.startswith(("| 32 |", "| 64 |"))]
-    assert len(rows) == 2 and all(r.count("MiB") == 2 for r in rows), out
+    rows = [line for line in out.splitlines() if line.startswith("| 32 |")]
+    assert len(rows) == 1 and rows[0].count("MiB") == 2, out
     try:
         import matplotlib  # noqa: F401
     except ImportError:
