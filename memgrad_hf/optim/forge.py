@@ -558,8 +558,8 @@ class ForgeOptimizer(Optimizer):
         when the model's checkpointing flag changes)."""
         flag = self._checkpointing()
         if flag != self._reentrant_seen[0]:
-            found = bool(flag) and any(
-                getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant")
+            found = bool(flag) and any(  # (torch's checkpoint takes use_reentrant=True when it is not passed)
+                getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant", True)
                 for m in self.model.modules() if getattr(m, "gradient_checkpointing", False))
             self._reentrant_seen = (flag, found)
         return self._reentrant_seen[1]
@@ -1020,9 +1020,13 @@ class ForgeOptimizer(Optimizer):
                 if self._mode != "skip":
                     self._apply(p, g)
             self._hook_new()
+        # gradients still deferred (a root left over from a backward that raised made a later backward without a
+        # root defer them): complete by now, applied here rather than lost
+        deferred, self._root_task, self._deferred = self._deferred, None, {}
+        for p in deferred:
+            self._on_grad(p)
         self._applied.clear()
         self._in_layer.clear()
-        self._root_task, self._deferred = None, {}
         self._shared = set(self._shared_fixed)  # marks found at forward hold for their step only
         now, bad = 0.0, 0
         for norm_sq, skipped in self._step_sums.values():  # one host read per device and step

@@ -439,18 +439,24 @@ def test_gradients_in_parts_under_reentrant_checkpointing_are_applied_once(tmp_p
     _assert_weights_close(*models)
 
 
-def test_gradients_in_parts_under_reentrant_checkpointing_in_a_hand_written_loop():
+@pytest.mark.parametrize("penalty,ckpt", [(False, {"use_reentrant": True}), (True, {"use_reentrant": True}),
+                                           (True, {})], ids=["shared", "penalty", "penalty_torch_default"])
+def test_gradients_in_parts_under_reentrant_checkpointing_in_a_hand_written_loop(penalty, ckpt):
+    # (ckpt {}: no use_reentrant passed, and torch's checkpoint takes True: a penalty's two parts were two updates)
     model = _shared_norm_model()
     ref = copy.deepcopy(model)
     for m in (model, ref):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt)
         m.train()
     opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(3):
         ids = torch.randint(1, 64, (2, 10), generator=torch.Generator().manual_seed(step))
         for m, o in ((model, opt), (ref, ref_opt)):
-            m(input_ids=ids, labels=ids).loss.backward()
+            loss = m(input_ids=ids, labels=ids).loss
+            if penalty:
+                loss = loss + 0.1 * m.model.layers[0].input_layernorm.weight.pow(2).sum()
+            opt.backward(loss) if o is opt else loss.backward()
             o.step()
             o.zero_grad()
     opt.detach()

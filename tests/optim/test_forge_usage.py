@@ -664,3 +664,34 @@ def test_forge_model_spelling_in_a_hand_written_loop_clips_exactly():
             o.zero_grad()
     opt.detach()
     _assert_weights_close(model, ref)
+
+
+def test_a_backward_that_raised_loses_no_later_update():
+    # The raising backward's root stayed set; a later backward without a root (its loss computed from .logits)
+    # deferred every hooked update, and step() dropped them (the norms never trained)
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    armed = {"on": True}
+
+    def fail_once(module, grad_out):
+        if armed["on"]:
+            armed["on"] = False
+            raise RuntimeError("simulated out-of-memory")
+
+    handle = model.lm_head.register_full_backward_pre_hook(fail_once)  # before any update of this backward
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="simulated"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    opt.zero_grad()
+    for step in range(2):
+        ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(step + 1))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            logits = m(input_ids=ids).logits
+            nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+            o.step()
+            o.zero_grad()
+    handle.remove()
+    opt.detach()
+    _assert_weights_close(model, ref)
