@@ -128,7 +128,7 @@ class _LossRoot(torch.autograd.Function):
         opt = ctx.opt
         opt._hook_new()  # parameters unfrozen since: their gradient must enter this norm
         task = torch._C._current_graph_task_id()
-        if opt._measuring(task):  # (a loss wrapped twice: the outer wrapper did it all)
+        if opt._measuring(task) or opt._root_task == task:  # (a loss wrapped twice: the outer root did it all)
             return grad, None, None
         if opt.needs_norm_pass and opt._is_sync():
             if opt._replays_clip():
@@ -250,7 +250,7 @@ class ForgeOptimizer(Optimizer):
         self._root_task: int | None = None
         self._deferred: dict[Tensor, None] = {}
         self._defer_all = False  # this backward's every hooked gradient waits for its end (reentrant checkpointing)
-        self._reentrant_seen: tuple[Any, bool] = (None, False)  # (the model's checkpointing flag, reentrant found)
+        self._ckpt_layers: list[nn.Module] = []  # modules with transformers' gradient_checkpointing flag (attach)
         # per device: (Σ g² of this step's updates, skipped tiles), summed in place on the device by every update
         # and read once, in step(); kept across steps (zeroed there) so that a layer's update allocates nothing
         self._step_sums: dict[torch.device, tuple[Tensor, Tensor]] = {}
@@ -298,6 +298,10 @@ class ForgeOptimizer(Optimizer):
                 )
             previous.detach()  # one FORGE optimizer per model at a time (e.g. a second Trainer takes over)
         model._memgrad_forge_optimizer = weakref.ref(self)
+        # found once: transformers' is_activation_checkpointing property walks every module (~9 ms on a 32-layer
+        # PEFT model), too slow to read per backward
+        self._ckpt_layers = [m for m in model.modules()
+                             if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
         counts: dict[int, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
             counts[id(p)] = counts.get(id(p), 0) + 1
@@ -396,7 +400,8 @@ class ForgeOptimizer(Optimizer):
         the update pass, and hooked gradients that arrive in parts from nested backwards (reentrant checkpointing)
         are applied once, complete; unchanged when ``loss`` has no graph. What ``Accelerator.backward`` (the
         Trainer) applies to every loss after ``import memgrad_hf``."""
-        if not (isinstance(loss, Tensor) and loss.requires_grad and loss.dim() == 0):
+        if not (isinstance(loss, Tensor) and loss.requires_grad and loss.dim() == 0) or isinstance(
+                loss.grad_fn, _LossRoot._backward_cls):  # (rooted already: the model's own loss)
             return loss
         return _LossRoot.apply(loss, self, [loss])
 
@@ -460,10 +465,12 @@ class ForgeOptimizer(Optimizer):
 
     # ------------------------------------------------------------------------------------------- the step
 
-    def _checkpointing(self) -> bool | None:
-        """The model's gradient-checkpointing flag (None for a model without one)."""
-        on = getattr(self.model, "is_activation_checkpointing", None)  # transformers >= 5.x; older: the other name
-        return on if on is not None else getattr(self.model, "is_gradient_checkpointing", None)
+    def _checkpointing(self) -> bool:
+        """Whether gradient checkpointing is on (transformers' flag on any of the model's layers)."""
+        if self._ckpt_layers:
+            return any(m.gradient_checkpointing for m in self._ckpt_layers)
+        on = getattr(self.model, "is_activation_checkpointing", None)  # (a model without such layers; older name:)
+        return bool(on if on is not None else getattr(self.model, "is_gradient_checkpointing", False))
 
     def _replays_clip(self) -> bool:
         """Exact clipping by recording and replaying the updates (one backward) rather than a second backward."""
@@ -554,15 +561,11 @@ class ForgeOptimizer(Optimizer):
         torch.autograd.Variable._execution_engine.queue_callback(self._leave)
 
     def _reentrant_checkpointing(self) -> bool:
-        """Whether transformers' gradient checkpointing runs with ``use_reentrant=True`` in the model (read again
-        when the model's checkpointing flag changes)."""
-        flag = self._checkpointing()
-        if flag != self._reentrant_seen[0]:
-            found = bool(flag) and any(  # (torch's checkpoint takes use_reentrant=True when it is not passed)
-                getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant", True)
-                for m in self.model.modules() if getattr(m, "gradient_checkpointing", False))
-            self._reentrant_seen = (flag, found)
-        return self._reentrant_seen[1]
+        """Whether a layer runs transformers' gradient checkpointing with ``use_reentrant`` true or not given (torch's
+        checkpoint then takes True)."""
+        return any(m.gradient_checkpointing and getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords",
+                                                        {}).get("use_reentrant") is not False
+                   for m in self._ckpt_layers)
 
     def _leave(self) -> None:
         """The root's backward has ended: every deferred gradient is complete; apply (or measure) each once."""
@@ -1052,7 +1055,7 @@ class ForgeOptimizer(Optimizer):
         self.scan_uses(loss)
         if self.needs_norm_pass and loss.dim() > 0 and self._is_sync():  # clip_root takes scalars
             self._norm_pass(loss, torch.ones_like(loss))
-        elif not isinstance(loss.grad_fn, _LossRoot._backward_cls):  # (the model's own loss is wrapped already)
+        else:
             loss = self.clip_root(loss)
         loss.backward()
 

@@ -231,9 +231,9 @@ def _hook_trainer_train() -> None:
 
 
 def _hook_accelerator_backward() -> None:
-    """``Accelerator.backward(loss)`` wraps ``loss`` for a prepared FORGE optimizer with exact clipping, so the norm
-    pass runs before the update pass whatever computed the loss (the model, TRL's GRPO loss, a custom
-    ``compute_loss``). A no-op for every other optimizer."""
+    """``Accelerator.backward(loss)`` gives ``loss`` the root of a prepared, attached FORGE optimizer (the norm pass
+    of exact clipping first, gradients that arrive in parts applied once), whatever computed the loss (the model,
+    TRL's GRPO loss, a custom ``compute_loss``, your own loop's). A no-op for every other optimizer."""
     from accelerate import Accelerator
 
     original = Accelerator.backward
@@ -245,7 +245,7 @@ def _hook_accelerator_backward() -> None:
 
         for o in getattr(self, "_optimizers", ()):
             inner = getattr(o, "optimizer", o)
-            if isinstance(inner, ForgeOptimizer) and inner._trainer_managed:
+            if isinstance(inner, ForgeOptimizer) and inner._attached:
                 inner.scan_uses(loss)
                 loss = inner.clip_root(loss)
         return original(self, loss, **kwargs)

@@ -440,9 +440,10 @@ def test_gradients_in_parts_under_reentrant_checkpointing_are_applied_once(tmp_p
 
 
 @pytest.mark.parametrize("penalty,ckpt", [(False, {"use_reentrant": True}), (True, {"use_reentrant": True}),
-                                           (True, {})], ids=["shared", "penalty", "penalty_torch_default"])
+                                           (True, {}), (True, {"use_reentrant": None})],
+                         ids=["shared", "penalty", "penalty_torch_default", "penalty_none"])
 def test_gradients_in_parts_under_reentrant_checkpointing_in_a_hand_written_loop(penalty, ckpt):
-    # (ckpt {}: no use_reentrant passed, and torch's checkpoint takes True: a penalty's two parts were two updates)
+    # (ckpt {} or None: torch's checkpoint takes use_reentrant=True: a penalty's two parts were two updates)
     model = _shared_norm_model()
     ref = copy.deepcopy(model)
     for m in (model, ref):

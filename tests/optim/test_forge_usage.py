@@ -695,3 +695,32 @@ def test_a_backward_that_raised_loses_no_later_update():
     handle.remove()
     opt.detach()
     _assert_weights_close(model, ref)
+
+
+def test_accelerate_loop_with_forge_model_clips_a_loss_computed_outside_the_model():
+    # forge_model= no longer means Trainer-managed; Accelerator.backward roots any loss of an attached FORGE
+    # optimizer it prepared (a loss from .logits had no root: "needs the loss to come from model(...)")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    weights = []
+    for kind in ("forge", "torch"):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        model = tiny_model("llama")
+        acc = Accelerator(cpu=True)
+        opt = (ForgeAdamW(model.parameters(), forge_model=model, lr=1e-2, max_grad_norm=0.05) if kind == "forge"
+               else torch.optim.AdamW(model.parameters(), lr=1e-2))
+        pm, popt = acc.prepare(model, opt)
+        for step in range(3):
+            ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(step))
+            logits = pm(input_ids=ids).logits
+            acc.backward(nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
+            if kind == "torch":
+                acc.clip_grad_norm_(pm.parameters(), 0.05)
+            popt.step()
+            popt.zero_grad()
+        if kind == "forge":
+            opt.detach()
+        weights.append(model)
+    _assert_weights_close(*weights)
