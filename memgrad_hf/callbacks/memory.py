@@ -32,9 +32,10 @@ class MemoryReportCallback(TrainerCallback):
     Peak memory is the CUDA caching allocator's peak (``torch.cuda.max_memory_allocated``) on a GPU and the
     process's peak resident set (``VmHWM``, reset when training starts) on CPU; ``peak_added_mem_mb`` is that peak
     minus what was in use when training started (model, data). Token counting switches the Trainer's
-    ``include_num_input_tokens_seen`` on if it was off. After training, :attr:`summary` holds the run's totals:
-    the peaks, the median step time and the throughput, both without the first step (which pays one-off costs such
-    as kernel compilation).
+    ``include_num_input_tokens_seen`` on if it was off (TRL's GRPO / RLOO count tokens themselves); where no token is
+    counted at all (batches without ``input_ids``), ``tokens_per_s`` is left out and a warning says so once. After
+    training, :attr:`summary` holds the run's totals: the peaks, the median step time and the throughput, both
+    without the first step (which pays one-off costs such as kernel compilation).
 
     Example::
 
