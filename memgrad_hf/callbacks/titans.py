@@ -139,7 +139,7 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
                 m.grad_impl = "manual"
             m.fan.requires_grad_(True)
             m.fan.distilling = True
-            m.fan.accumulation_steps = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
+            m.fan.accumulation_steps = args.gradient_accumulation_steps
             m.fan.reset_stats()
         sync_titans_config(model)
         if restored_switch:  # resumed after the switch: as it was, with the values recorded then

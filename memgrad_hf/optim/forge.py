@@ -250,7 +250,6 @@ class ForgeOptimizer(Optimizer):
         self._root_task: int | None = None
         self._deferred: dict[Tensor, None] = {}
         self._defer_all = False  # this backward's every hooked gradient waits for its end (reentrant checkpointing)
-        self._ckpt_layers: list[nn.Module] = []  # modules with transformers' gradient_checkpointing flag (attach)
         # per device: (Σ g² of this step's updates, skipped tiles), summed in place on the device by every update
         # and read once, in step(); kept across steps (zeroed there) so that a layer's update allocates nothing
         self._step_sums: dict[torch.device, tuple[Tensor, Tensor]] = {}
@@ -298,9 +297,9 @@ class ForgeOptimizer(Optimizer):
                 )
             previous.detach()  # one FORGE optimizer per model at a time (e.g. a second Trainer takes over)
         model._memgrad_forge_optimizer = weakref.ref(self)
-        # found once: transformers' is_activation_checkpointing property walks every module (~9 ms on a 32-layer
-        # PEFT model), too slow to read per backward
-        self._ckpt_layers = [m for m in model.modules()
+        # the layers with transformers' gradient_checkpointing flag, found once: its is_activation_checkpointing
+        # property walks every module (~9 ms on a 32-layer PEFT model), too slow to read per backward
+        self._ckpt_layers: list[nn.Module] = [m for m in model.modules()
                              if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
         counts: dict[int, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
@@ -1025,9 +1024,7 @@ class ForgeOptimizer(Optimizer):
             self._hook_new()
         # gradients still deferred (a root left over from a backward that raised made a later backward without a
         # root defer them): complete by now, applied here rather than lost
-        deferred, self._root_task, self._deferred = self._deferred, None, {}
-        for p in deferred:
-            self._on_grad(p)
+        self._leave()
         self._applied.clear()
         self._in_layer.clear()
         self._shared = set(self._shared_fixed)  # marks found at forward hold for their step only
