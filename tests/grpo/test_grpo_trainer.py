@@ -79,6 +79,20 @@ def test_grpo_loss_and_grad_norm_equal_stock_trl(tmp_path, loss_type):
     assert ours[1] == pytest.approx(stock[1], rel=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["kto", "dpo"])
+def test_preference_trainers_with_forge_adamw_equal_stock_adamw_torch(tmp_path, kind):
+    # the loss is computed outside the model (policy and reference log-probs): FORGE's exact clipping (0.05: every
+    # step clipped) must still see the whole backward, here under gradient checkpointing
+    stock_log, stock_params = _preference_run(tmp_path / "s", False, kind, optim="adamw_torch")
+    ours_log, ours_params = _preference_run(tmp_path / "m", False, kind, optim="forge_adamw")
+    assert len(stock_log) == 3 and all(h["grad_norm"] > 0.05 for h in stock_log)
+    for a, b in zip(stock_log, ours_log, strict=True):
+        assert (b["loss"], b["grad_norm"]) == pytest.approx((a["loss"], a["grad_norm"]), rel=1e-5)
+    err = max(((stock_params[n] - p).abs().max() / stock_params[n].abs().max()).item()
+              for n, p in ours_params.items())
+    assert err < 1e-5, err
+
+
 @pytest.mark.parametrize("case", [dict(via_patch_model=True), dict(beta=0.04), dict(peft=True)],
                          ids=["automatic_via_patch_model", "reference_model_beta", "peft_lora"])
 def test_grpo_variants_equal_stock_trl(tmp_path, case):
@@ -98,13 +112,20 @@ def test_rloo_trainer_equals_stock_trl(tmp_path, beta):
     assert ours[1] == pytest.approx(stock[1], rel=1e-5)
 
 
-def _preference_run(tmp_path, patched, kind):
-    """KTOTrainer (unpaired: completion + label) or DPOTrainer (chosen / rejected), 3 steps."""
+def _preference_run(tmp_path, patched, kind, optim=None):
+    """KTOTrainer (unpaired: completion + label) or DPOTrainer (chosen / rejected), 3 steps. With ``optim`` (the model
+    ``patch_model``ed for a FORGE one): clipping active, checkpointing on; the log and the trained weights return."""
     from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
     import memgrad_hf.grpo.fused_head as fh
 
     model, tok = _model_and_tokenizer(tmp_path, from_path=True)
+    extra = {}
+    if optim is not None:
+        extra = dict(optim=optim, max_grad_norm=0.05, adam_epsilon=1e-3, gradient_checkpointing=True,
+                     learning_rate=1e-2)
+        if optim.startswith("forge"):
+            memgrad_hf.patch_model(model)
     prompts = ["abc", "1+2=", "def", "9-3="] * 4
     if kind == "kto":
         data = Dataset.from_dict({"prompt": prompts, "completion": [" aaa", " 3", " bb", " 6"] * 4,
@@ -114,9 +135,9 @@ def _preference_run(tmp_path, patched, kind):
         data = Dataset.from_dict({"prompt": prompts, "chosen": [" aaa", " 3", " bb", " 6"] * 4,
                                   "rejected": [" zz", " 4", " yy", " 7"] * 4})
         config_cls, trainer_cls = DPOConfig, DPOTrainer
-    args = config_cls(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, max_steps=3,
-                      learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", bf16=False, seed=0,
-                      disable_tqdm=True)
+    args = config_cls(**{**dict(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, max_steps=3,
+                                learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", bf16=False,
+                                seed=0, disable_tqdm=True), **extra})
     calls = []
     real = fh.linear_logprobs
     fh.linear_logprobs = lambda *a, **k: calls.append(1) or real(*a, **k)
@@ -128,8 +149,10 @@ def _preference_run(tmp_path, patched, kind):
     finally:
         unpatch_trl()
         fh.linear_logprobs = real
-    assert bool(calls) == patched
+    assert bool(calls) == (patched or optim is not None and optim.startswith("forge"))
     hist = [h for h in trainer.state.log_history if "loss" in h]
+    if optim is not None:
+        return hist, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return [h["loss"] for h in hist], [h["grad_norm"] for h in hist]
 
 
