@@ -312,6 +312,86 @@ def check(family: str, vision: bool = False, logprobs: bool = False) -> tuple[st
     return ("exact" if same_loss and same_grads else "MISMATCH"), type(model).__name__
 
 
+def _incremental_logits(model: torch.nn.Module, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Logits of ``ids`` from a cached forward of the first ``prompt`` tokens, then one token per cached call."""
+    import inspect
+
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=ids[:, :prompt], use_cache=True)
+    steps = [out.logits]
+    for t in range(prompt, ids.shape[1]):
+        out = model(input_ids=ids[:, t:t + 1], use_cache=True, **{key: out.past_key_values})
+        steps.append(out.logits)
+    return torch.cat(steps, dim=1)
+
+
+def check_titans(family: str) -> tuple[str, str]:
+    """Titans injection (``patch_model(titans=...)`` on the last decoder layer, memory only): the patched model's
+    logits equal the original's at step 0, bit for bit; with the memory switched on, a training forward gives every
+    memory parameter a finite gradient (some non-zero); and a cached forward (prompt, then one token per call)
+    equals the uncached one, where the unpatched model's own cache does (else ``exact, uncached``: trained and
+    checked without a cache only)."""
+    import memgrad_hf
+    from memgrad_hf.patches.titans import titans_branches
+    from memgrad_hf.titans import TitansConfig
+
+    try:
+        model = _tiny(family).eval()
+    except Exception as e:
+        return "untested", f"tiny config: {_why(e, 90)}"
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0] if head is not None else 101
+    ids = torch.randint(3, min(vocab, 101), (2, 10), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            ref = model(input_ids=ids, use_cache=False).logits.clone()
+    except Exception as e:
+        return "untested", f"unpatched model fails on the tiny config: {_why(e, 80)}"
+    try:  # does the unpatched model's cache reproduce its own uncached logits?
+        with torch.no_grad():
+            own = _incremental_logits(model, ids, 6)
+        has_cache = bool(torch.allclose(own, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()))
+    except Exception:
+        has_cache = False
+    try:
+        memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[-1], heads=2, chunk_size=4))
+        with torch.no_grad():
+            if not torch.equal(model(input_ids=ids, use_cache=False).logits, ref):
+                return "MISMATCH", "step 0: the patched model's logits differ from the original's"
+            branches = list(titans_branches(model).values())
+            g = torch.Generator().manual_seed(3)
+            for branch in branches:
+                branch.out.weight.copy_(torch.randn(branch.out.weight.shape, generator=g) * 0.5)
+        model.train()
+        torch.manual_seed(1)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        grads = [p.grad for b in branches for p in b.parameters() if p.requires_grad]
+        if all(q is None for q in grads):  # mllama: a cross-attention layer, skipped without an image
+            return "untested", "the last decoder layer does not run in a text-only training forward"
+        if not grads or any(q is None or not torch.isfinite(q).all() for q in grads):
+            return "MISMATCH", "a memory parameter got no gradient or a non-finite one"
+        if not any(q.abs().max() > 0 for q in grads):
+            return "MISMATCH", "every memory gradient is zero"
+        model.eval()
+        with torch.no_grad():
+            full = model(input_ids=ids, use_cache=False).logits
+            if torch.allclose(full, ref, atol=1e-6):
+                return "MISMATCH", "the switched-on memory does not reach the logits"
+            if not has_cache:
+                return "exact, uncached", f"{type(model).__name__} (the unpatched model's cache does not match)"
+            try:
+                inc = _incremental_logits(model, ids, 6)
+            except memgrad_hf.UnsupportedModelError as e:
+                return "exact, uncached", str(e)[:110]
+    except memgrad_hf.UnsupportedModelError as e:
+        return "unsupported", str(e)[:110]
+    except Exception as e:
+        return "ERROR", f"{type(e).__name__}: {str(e)[:100]}"
+    if not torch.allclose(inc, full, rtol=1e-4, atol=1e-4 * full.abs().max().item()):
+        return "MISMATCH", f"cached forward differs: {(inc - full).abs().max().item():.2e}"
+    return "exact", type(model).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="memgrad-hf bench compat", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -322,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logprobs", action="store_true",
                    help="check memgrad_hf.grpo.add_fused_lm_head (TRL's fused-head contract: per-token log-probs "
                         "and their gradients) instead of the patched training loss")
+    p.add_argument("--titans", action="store_true",
+                   help="check Titans injection instead: step-0 identity, memory gradients, cached == uncached")
     a = p.parse_args(argv)
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -343,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     for fam in families:
         signal.alarm(a.timeout)
         try:
-            results[fam] = check(fam, a.vision, a.logprobs)
+            results[fam] = check_titans(fam) if a.titans else check(fam, a.vision, a.logprobs)
         except _Timeout:
             results[fam] = ("untested", f"over {a.timeout}s")
         finally:

@@ -133,3 +133,11 @@ def test_bench_grpo_step_runs_through_the_cli(capsys):
     assert rc == 0, out
     rows = [line for line in out.splitlines() if line.startswith(("| adamw_torch", "| forge_adamw"))]
     assert len(rows) == 3 and "—" not in out, out
+
+
+def test_bench_compat_titans_checks_the_injection(capsys):
+    rc = cli.main(["bench", "compat", "--titans", "llama", "mamba"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| llama | exact |" in out
+    assert "| mamba | exact, uncached |" in out and "holds no attention layer" in out  # refused cached, by name

@@ -54,6 +54,7 @@ CONFIG_ATTR = "memgrad_titans"  # model.config attribute holding TitansConfig.to
 _MODEL_ATTR = "_memgrad_titans"
 _LAYER_ATTR = "_memgrad_titans_layer"
 _CACHE_ATTR = "_memgrad_titans_states"
+_STATE_NAMES = ("state", "rnn_state")  # a recurrent state a model hands its layers instead of a Cache (xlstm)
 
 
 @dataclass
@@ -78,6 +79,7 @@ class _LayerInfo:
     previous_forward: Any
     cache_pos: int | None  # its positional index (self excluded), if it can be passed positionally
     store_mask: StoreMask | None = None
+    state_pos: int | None = None  # likewise for a recurrent state of the model's own (xlstm's ``state``)
 
 
 @dataclass
@@ -135,21 +137,25 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def _cache_layer_index(layer: nn.Module, default: int) -> int:
-    for m in layer.modules():
-        idx = getattr(m, "layer_idx", None)
-        if isinstance(idx, int) and not isinstance(idx, bool):
-            return idx
-    return default
+    """The first cache layer this decoder layer writes: the smallest ``layer_idx`` of its sub-modules (the attention
+    modules, which may be several per decoder layer: longcat_flash's two), else the layer's own, else its position."""
+    def idx(m: nn.Module) -> int | None:
+        i = getattr(m, "layer_idx", None)
+        return i if isinstance(i, int) and not isinstance(i, bool) else None
+
+    inner = [i for m in layer.modules() if m is not layer and (i := idx(m)) is not None]
+    own = idx(layer)
+    return min(inner) if inner else own if own is not None else default
 
 
-def _cache_position_arg(forward: Any) -> int | None:
-    """The positional index of the forward's cache argument (``past_key_values`` & co.), if it has one."""
+def _cache_position_arg(forward: Any, names: tuple[str, ...] = _CACHE_NAMES) -> int | None:
+    """The positional index of the forward's cache argument (``past_key_values`` & co.; or of ``names``), if any."""
     try:
         params = list(inspect.signature(forward).parameters.values())
     except (TypeError, ValueError):
         return None
     for pos, p in enumerate(params):
-        if p.name in _CACHE_NAMES:
+        if p.name in names:
             return pos if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else None
     return None
 
@@ -243,19 +249,34 @@ def _cache_states(cache: Any) -> dict[int, _CachedState]:
     return states
 
 
-def _cache_length(cache: Any, index: int) -> int:
-    try:
-        return int(cache.get_seq_length(index))
-    except (ValueError, IndexError, TypeError):  # e.g. a linear-attention cache layer tracks no length
-        pass
-    try:
-        return int(cache.get_seq_length())
-    except (ValueError, IndexError, TypeError) as e:  # only state-space / linear-attention layers (mamba)
-        raise UnsupportedModelError(
+def _cache_length(cache: Any, index: int, new_tokens: int) -> int:
+    """Tokens the cache held before this forward, read before cache layer ``index`` is written. Where that layer
+    counts none (an MLP-only or linear-attention layer of a hybrid model), a later layer's count (not yet written in
+    this forward), else an earlier one's less the ``new_tokens`` this forward has written there."""
+    layers = getattr(cache, "layers", None)
+    n_layers = len(layers) if isinstance(layers, (list, tuple)) else None
+
+    def length(i: int | None = None) -> int | None:
+        if i is not None and n_layers is not None and i >= n_layers:
+            return None  # not (yet) a layer of this cache: get_seq_length says 0 (minimax keeps its own state)
+        try:
+            return int(cache.get_seq_length() if i is None else cache.get_seq_length(i))
+        except (ValueError, IndexError, TypeError):  # e.g. a DummyLayer: tracks no length
+            return None
+
+    if (n := length(index)) is not None:
+        return n
+    if n_layers is not None:
+        for j in [*range(index + 1, n_layers), *range(min(index, n_layers) - 1, -1, -1)]:
+            if (n := length(j)) is not None:
+                return n if j > index else n - new_tokens
+    if (n := length()) is not None:
+        return n
+    raise UnsupportedModelError(
             f"Titans memory: this model's {type(cache).__name__} holds no attention layer, so it does not count "
             "tokens and the memory state cannot follow it. Run the model uncached: model(..., use_cache=False), "
             "generate(..., use_cache=False) (training uses no cache)."
-        ) from e
+        )
 
 
 # ------------------------------------------------------------------------------------------ the patched forward
@@ -275,6 +296,13 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise UnsupportedModelError(
             f"Titans memory on {name}: the layer was not called with hidden states as its first argument."
         )
+    dim = next(m.dim for m in getattr(self, BRANCH_ATTR).modules() if isinstance(m, NeuralMemory))
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise UnsupportedModelError(
+            f"Titans memory on {name}: its hidden states have shape {tuple(x.shape)}, but the memory takes "
+            f"(batch, tokens, hidden_size={dim}). Models that carry several residual streams through their layers "
+            "(hyper-connections, AltUp) or a width other than hidden_size are not supported."
+        )
     checkpointing = _checkpointing(self)
     cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), None)
     if cache is None and info.cache_pos is not None and len(args) > info.cache_pos:
@@ -287,6 +315,17 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "model keeps a state of its own), so the memory state cannot follow it. Run the model uncached: "
             "model(..., use_cache=False), generate(..., use_cache=False) (training uses no cache)."
         )
+    own = next((kwargs[n] for n in _STATE_NAMES if kwargs.get(n) is not None), None)
+    if own is None and info.state_pos is not None and len(args) > info.state_pos:
+        own = args[info.state_pos]
+    if own is not None:
+        raise UnsupportedModelError(
+            f"Titans memory on {name}: the layer was handed a recurrent state of the model's own "
+            f"({type(own).__name__}: a cached call, or a long sequence the model splits into chunks), which the "
+            "memory state cannot follow. "
+            "Run the model uncached, on whole sequences: model(..., use_cache=False), generate(..., use_cache=False) "
+            "(training uses neither)."
+        )
     entry = None
     state = None
     if cache is not None:
@@ -295,7 +334,7 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 f"Titans memory on {name}: past_key_values is a {type(cache).__name__}; a transformers Cache "
                 "(e.g. DynamicCache) is needed to carry the memory state."
             )
-        past = _cache_length(cache, info.cache_index)  # read before the layer writes its keys/values
+        past = _cache_length(cache, info.cache_index, x.shape[1])  # read before the layer writes its keys/values
         states = _cache_states(cache)
         entry = states.get(info.index)
         if past > 0:
@@ -494,11 +533,13 @@ def inject_titans(model: nn.Module, titans: TitansConfig | dict[str, Any]) -> nn
         layer = layers[i]
         had = "forward" in layer.__dict__
         previous = layer.__dict__.get("forward")
-        cache_pos = _cache_position_arg(previous if had else type(layer).forward)
-        if cache_pos is not None and not had:
-            cache_pos -= 1  # the class forward's signature includes self
+        forward = previous if had else type(layer).forward
+        cache_pos, state_pos = (_cache_position_arg(forward, names) for names in (_CACHE_NAMES, _STATE_NAMES))
+        if not had:  # the class forward's signature includes self
+            cache_pos, state_pos = (None if p is None else p - 1 for p in (cache_pos, state_pos))
         layer.add_module(BRANCH_ATTR, branch)
-        setattr(layer, _LAYER_ATTR, _LayerInfo(i, _cache_layer_index(layer, i), had, previous, cache_pos, holder))
+        setattr(layer, _LAYER_ATTR, _LayerInfo(i, _cache_layer_index(layer, i), had, previous, cache_pos, holder,
+                                               state_pos))
         layer.forward = types.MethodType(_patched_layer_forward, layer)
     model_config = getattr(model, "config", None)
     had_attr = model_config is not None and CONFIG_ATTR in getattr(model_config, "__dict__", {})

@@ -516,3 +516,25 @@ def test_left_padded_training_batches_are_warned_about_once(caplog):
         with torch.no_grad():
             model(ids, attention_mask=mask, use_cache=False)
     assert caplog.text.count("left-padded") == 1 and "padding_side = 'right'" in caplog.text
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "longcat_flash", "minimax"])
+def test_hybrid_decoders_generate_with_the_memory_on_their_cache(family):
+    # the memory finds the cache's token count where its layer keeps none: nemotron_h's MLP-only layer (a DummyLayer
+    # of the cache), minimax's lightning-attention layer (no cache layer at all: get_seq_length said 0, and each
+    # decoding step restarted the memory), longcat_flash's two attention modules per decoder layer (it read the
+    # earlier layer's, already written in this forward). Each: step-0 identity, memory gradients, cached == uncached
+    from benchmarks.compat import check_titans
+
+    assert check_titans(family)[0] == "exact"
+
+
+@pytest.mark.parametrize("family, status, says", [
+    ("xlstm", "exact, uncached", "recurrent state of the model's own"),  # its blocks get `state`, not a Cache
+    ("deepseek_v4", "unsupported", "hidden states have shape (2, 10, 4, 32)"),  # several residual streams
+])
+def test_decoders_the_memory_cannot_follow_are_refused_by_name(family, status, says):
+    from benchmarks.compat import check_titans
+
+    got, detail = check_titans(family)
+    assert (got, says in detail) == (status, True), detail
