@@ -1,10 +1,11 @@
-"""Which transformers causal-LM families the chunked head patches exactly (``memgrad-hf bench compat``).
+"""Which transformers causal-LM families memgrad serves exactly (``memgrad-hf bench compat``).
 
 For every model type in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny config is derived from the family's default
 config (size fields shrunk, a few layers kept such that every layer kind of a hybrid model is present, per-layer
 fields resized with them; ``FAMILY`` overrides where no generic rule can work), the model is built twice from one
 seed, one copy is patched, and the loss and every parameter gradient of a training forward with ``-100`` labels are
-compared (1e-5 relative, fp32).
+compared (1e-5 relative, fp32). ``--logprobs`` checks TRL's fused-head contract instead, ``--titans`` the Titans
+injection (:func:`check_titans`), ``--forge`` two ``ForgeAdamW`` steps with exact clipping (:func:`check_forge`).
 
 Statuses: ``exact``; ``unsupported`` (memgrad raised ``UnsupportedModelError``: the message says why);
 ``MISMATCH`` / ``ERROR`` (a memgrad bug: please report); ``untested`` (the shrunk config could not be built or the
@@ -392,6 +393,66 @@ def check_titans(family: str) -> tuple[str, str]:
     return "exact", type(model).__name__
 
 
+def check_forge(family: str, steps: int = 2, max_grad_norm: float = 0.05) -> tuple[str, str]:
+    """``ForgeAdamW`` (exact clipping on: ``max_grad_norm`` below the tiny models' gradient norms) on a
+    ``patch_model``ed model (the unpatched one where the head is refused) in a hand-written loop, against
+    ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the unpatched model: every parameter after ``steps`` steps
+    (1e-5 of the largest weight, fp32; eps 1e-3 keeps AdamW's ~lr·sign(g) first step from turning rounding of a
+    near-zero gradient element into a whole step)."""
+    import memgrad_hf
+    from memgrad_hf.optim import ForgeAdamW
+
+    try:
+        model = _tiny(family)
+    except Exception as e:
+        return "untested", f"tiny config: {_why(e, 90)}"
+    ref = copy.deepcopy(model)
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0] if head is not None else 101
+    ids = torch.randint(3, min(vocab, 101), (2, 8), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :2] = -100
+    hp = dict(lr=1e-2, eps=1e-3, weight_decay=0.1)
+    try:
+        opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **hp)
+        for _ in range(steps):
+            torch.manual_seed(1)
+            ref(input_ids=ids, labels=labels).loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+            opt_ref.step()
+            opt_ref.zero_grad()
+    except Exception as e:
+        return "untested", f"unpatched model fails on the tiny config: {_why(e, 80)}"
+    def train(model: torch.nn.Module, patch: bool) -> None:
+        if patch:
+            memgrad_hf.patch_model(model, chunk_size=4)
+        opt = ForgeAdamW([p for p in model.parameters() if p.requires_grad], model=model,
+                         max_grad_norm=max_grad_norm, **hp)
+        for _ in range(steps):
+            torch.manual_seed(1)
+            model(input_ids=ids, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    how, unpatched = "patched head", copy.deepcopy(model)
+    try:
+        try:
+            train(model, patch=True)
+        except memgrad_hf.UnsupportedModelError:  # the head is refused (prophetnet): FORGE alone
+            how, model = "unpatched head", unpatched
+            train(model, patch=False)
+    except memgrad_hf.UnsupportedModelError as e:
+        return "unsupported", str(e)[:110]
+    except Exception as e:
+        return "ERROR", f"{type(e).__name__}: {str(e)[:100]}"
+    scale = max(p.abs().max().item() for p in ref.parameters())
+    worst, name = max(((p - q).abs().max().item(), n) for (n, p), q in
+                      zip(model.named_parameters(), ref.parameters(), strict=True))
+    if worst > 1e-5 * scale:
+        return "MISMATCH", f"{name}: {worst / scale:.1e} of the largest weight"
+    return "exact", f"{type(model).__name__} ({how}; {worst / scale:.0e})"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="memgrad-hf bench compat", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -402,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logprobs", action="store_true",
                    help="check memgrad_hf.grpo.add_fused_lm_head (TRL's fused-head contract: per-token log-probs "
                         "and their gradients) instead of the patched training loss")
+    p.add_argument("--forge", action="store_true",
+                   help="check ForgeAdamW with exact clipping instead, against torch.optim.AdamW + clip_grad_norm_")
     p.add_argument("--titans", action="store_true",
                    help="check Titans injection instead: step-0 identity, memory gradients, cached == uncached")
     a = p.parse_args(argv)
@@ -425,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     for fam in families:
         signal.alarm(a.timeout)
         try:
-            results[fam] = check_titans(fam) if a.titans else check(fam, a.vision, a.logprobs)
+            results[fam] = (check_titans(fam) if a.titans else check_forge(fam) if a.forge
+                            else check(fam, a.vision, a.logprobs))
         except _Timeout:
             results[fam] = ("untested", f"over {a.timeout}s")
         finally:

@@ -27,7 +27,11 @@ class ForgeLinearFunction(torch.autograd.Function):
         xc = x if x.dtype == dt else x.to(dt)
         wc = weight if weight.dtype == dt else weight.to(dt)
         bc = None if bias is None else (bias if bias.dtype == dt else bias.to(dt))
-        out = F.linear(xc, wc, bc)
+        if bc is None or xc.dim() == 2:
+            out = F.linear(xc, wc, bc)
+        else:  # F.linear would return a view of a 2-D addmm: an in-place op on it (roc_bert) is refused in a Function
+            out = xc.new_empty(*xc.shape[:-1], wc.shape[0])
+            torch.addmm(bc, xc.reshape(-1, xc.shape[-1]), wc.t(), out=out.view(-1, wc.shape[0]))
         ctx.save_for_backward(xc)
         # the parameters themselves, not saved copies: under non-reentrant checkpointing saved tensors come back as
         # recomputed aliases, and the optimizer finds a weight's state and group by the Parameter object

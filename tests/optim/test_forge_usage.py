@@ -32,6 +32,22 @@ class _SharedNet(nn.Module):
         return nn.functional.cross_entropy(self.out(h).flatten(0, 1), target.flatten())
 
 
+class _InPlaceAfterLinear(nn.Module):
+    """A biased linear layer on 3-D input whose output is edited in place (roc_bert's attention does so)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(20, 16)
+        self.proj = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, ids, ids2, target):
+        h = self.proj(self.emb(ids))
+        h.mul_(0.5).add_(self.emb(ids2))
+        return nn.functional.cross_entropy(self.out(torch.tanh(h)).flatten(0, 1), target.flatten())
+
+
 def _batch(seed):
     g = torch.Generator().manual_seed(seed)
     return (torch.randint(0, 20, (3, 6), generator=g), torch.randint(0, 20, (3, 6), generator=g),
@@ -63,6 +79,17 @@ def test_layers_called_twice_are_updated_once_from_their_summed_gradient(max_gra
     assert {p for p in (model.emb.weight, model.shared.weight)} <= opt._warned_shared  # out.weight stays fused
     assert model.out.weight not in opt._warned_shared
     assert "shared.weight is used more than once" in caplog.text
+
+
+def test_a_linear_output_edited_in_place_trains_as_torch():
+    # F.linear of 3-D input with a bias returns a view of its 2-D addmm; returned from FORGE's autograd Function, an
+    # in-place op on it raised ("a view ... modified inplace") where nn.Linear's output allows it
+    model = _InPlaceAfterLinear()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for batch in map(_batch, range(3)):
+        _step_both(model, opt, ref, ref_opt, lambda m, b=batch: m(*b))
+    _assert_weights_close(model, ref)
 
 
 def test_two_forwards_then_one_backward_equal_torch():
