@@ -141,3 +141,19 @@ def test_bench_compat_titans_checks_the_injection(capsys):
     assert rc == 0, out
     assert "| llama | exact |" in out
     assert "| mamba | exact, uncached |" in out and "holds no attention layer" in out  # refused cached, by name
+
+
+def test_bench_compat_forge_steps_like_torch_adamw(capsys, monkeypatch):
+    rc = cli.main(["bench", "compat", "--forge", "llama", "roc_bert"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| llama | exact |" in out and "| roc_bert | exact |" in out  # roc_bert edits a linear output in place
+    # the check can fail: FORGE with another beta1 than the reference's is a mismatch
+    import functools
+
+    import memgrad_hf.optim
+
+    other_beta = functools.partial(memgrad_hf.optim.ForgeAdamW, betas=(0.8, 0.999))
+    monkeypatch.setattr(memgrad_hf.optim, "ForgeAdamW", other_beta)
+    assert cli.main(["bench", "compat", "--forge", "llama"]) == 1
+    assert "| llama | MISMATCH |" in capsys.readouterr().out
