@@ -393,7 +393,7 @@ def check_titans(family: str) -> tuple[str, str]:
     return "exact", type(model).__name__
 
 
-def check_forge(family: str, steps: int = 2, max_grad_norm: float = 0.05) -> tuple[str, str]:
+def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm: float = 0.05) -> tuple[str, str]:
     """``ForgeAdamW`` (exact clipping on: ``max_grad_norm`` below the tiny models' gradient norms) on a
     ``patch_model``ed model (the unpatched one where the head is refused) in a hand-written loop, against
     ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the unpatched model: every parameter after ``steps`` steps
@@ -403,7 +403,7 @@ def check_forge(family: str, steps: int = 2, max_grad_norm: float = 0.05) -> tup
     from memgrad_hf.optim import ForgeAdamW
 
     try:
-        model = _tiny(family)
+        model = _tiny_vision(family) if vision else _tiny(family)
     except Exception as e:
         return "untested", f"tiny config: {_why(e, 90)}"
     ref = copy.deepcopy(model)
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     for fam in families:
         signal.alarm(a.timeout)
         try:
-            results[fam] = (check_titans(fam) if a.titans else check_forge(fam) if a.forge
+            results[fam] = (check_titans(fam) if a.titans else check_forge(fam, a.vision) if a.forge
                             else check(fam, a.vision, a.logprobs))
         except _Timeout:
             results[fam] = ("untested", f"over {a.timeout}s")
