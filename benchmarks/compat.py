@@ -404,9 +404,9 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
 
     try:
         model = _tiny_vision(family) if vision else _tiny(family)
+        ref, unpatched = copy.deepcopy(model), copy.deepcopy(model)
     except Exception as e:
         return "untested", f"tiny config: {_why(e, 90)}"
-    ref = copy.deepcopy(model)
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0] if head is not None else 101
     ids = torch.randint(3, min(vocab, 101), (2, 8), generator=torch.Generator().manual_seed(0))
@@ -434,7 +434,7 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
             opt.step()
             opt.zero_grad()
 
-    how, unpatched = "patched head", copy.deepcopy(model)
+    how = "patched head"
     try:
         try:
             train(model, patch=True)
