@@ -393,12 +393,14 @@ def check_titans(family: str) -> tuple[str, str]:
     return "exact", type(model).__name__
 
 
-def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm: float = 0.05) -> tuple[str, str]:
+def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm: float = 0.05,
+                checkpointing: bool = False) -> tuple[str, str]:
     """``ForgeAdamW`` (exact clipping on: ``max_grad_norm`` below the tiny models' gradient norms) on a
     ``patch_model``ed model (the unpatched one where the head is refused) in a hand-written loop, against
     ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the unpatched model: every parameter after ``steps`` steps
     (1e-5 of the largest weight, fp32; eps 1e-3 keeps AdamW's ~lr·sign(g) first step from turning rounding of a
-    near-zero gradient element into a whole step)."""
+    near-zero gradient element into a whole step). ``checkpointing``: both models under transformers' gradient
+    checkpointing (reentrant, as TRL's configs ask for it)."""
     import memgrad_hf
     from memgrad_hf.optim import ForgeAdamW
 
@@ -413,6 +415,15 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
     labels = ids.clone()
     labels[0, :2] = -100
     hp = dict(lr=1e-2, eps=1e-3, weight_decay=0.1)
+    if checkpointing:
+        try:
+            for m in (model, ref, unpatched):
+                if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.24's name
+                    m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+                else:
+                    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        except Exception as e:
+            return "untested", f"no gradient checkpointing: {_why(e, 80)}"
     try:
         opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **hp)
         for _ in range(steps):
@@ -465,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                         "and their gradients) instead of the patched training loss")
     p.add_argument("--forge", action="store_true",
                    help="check ForgeAdamW with exact clipping instead, against torch.optim.AdamW + clip_grad_norm_")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="with --forge: under reentrant gradient checkpointing (both models)")
     p.add_argument("--titans", action="store_true",
                    help="check Titans injection instead: step-0 identity, memory gradients, cached == uncached")
     a = p.parse_args(argv)
@@ -488,8 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     for fam in families:
         signal.alarm(a.timeout)
         try:
-            results[fam] = (check_titans(fam) if a.titans else check_forge(fam, a.vision) if a.forge
-                            else check(fam, a.vision, a.logprobs))
+            if a.titans:
+                results[fam] = check_titans(fam)
+            elif a.forge:
+                results[fam] = check_forge(fam, a.vision, checkpointing=a.checkpointing)
+            else:
+                results[fam] = check(fam, a.vision, a.logprobs)
         except _Timeout:
             results[fam] = ("untested", f"over {a.timeout}s")
         finally:

@@ -264,6 +264,11 @@ class ForgeOptimizer(Optimizer):
         # fused weight -> weakref to its latest use not yet back-propagated: the autograd node of its layer, or the
         # chunked head's consumer of its gradient (see _pending)
         self._last_use: dict[Tensor, Any] = {}
+        # under reentrant checkpointing a segment's first forward runs without autograd (no node to note): the fused
+        # weights it used in this forward, and the segment (checkpointed layer call) running now, if any
+        self._segment_seen: set[Tensor] = set()
+        self._segment: nn.Module | None = None
+        self._segment_hooks: list[Any] = []
         self._in_layer: set[Tensor] = set()  # fused weights whose layer back-propagated since the last step()
         self._applied: set[Tensor] = set()  # updated since the last step(): a second update there is warned about
         self._warned_twice = False
@@ -301,6 +306,10 @@ class ForgeOptimizer(Optimizer):
         # property walks every module (~9 ms on a 32-layer PEFT model), too slow to read per backward
         self._ckpt_layers: list[nn.Module] = [m for m in model.modules()
                              if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
+        me = weakref.ref(self)  # (a deep copy of the model copies its hooks: they must not copy the optimizer)
+        self._segment_hooks = [h for m in self._ckpt_layers for h in (
+            m.register_forward_pre_hook(functools.partial(_segment_starts, me)),
+            m.register_forward_hook(functools.partial(_segment_ends, me), always_call=True))]
         counts: dict[int, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
             counts[id(p)] = counts.get(id(p), 0) + 1
@@ -443,8 +452,9 @@ class ForgeOptimizer(Optimizer):
 
         set_head_weight_consumer(self.model, None)
         P.restore_linears(self._swapped)
-        for h in self._hooks:
+        for h in (*self._hooks, *self._segment_hooks):
             h.remove()
+        self._segment_hooks, self._segment = [], None
         if self._wrapped_forward:
             self._forward_switch["wrap"] = False
             current = self.model.__dict__.get("forward")
@@ -569,6 +579,7 @@ class ForgeOptimizer(Optimizer):
     def _leave(self) -> None:
         """The root's backward has ended: every deferred gradient is complete; apply (or measure) each once."""
         deferred, self._deferred, self._root_task, self._defer_all = self._deferred, {}, None, False
+        self._segment_seen.clear()  # this forward's segments are back-propagated: the next forward counts anew
         for p in deferred:
             self._on_grad(p)
 
@@ -883,11 +894,21 @@ class ForgeOptimizer(Optimizer):
         applied once (``_shared``). Recomputations inside a backward (gradient checkpointing) are not uses."""
         if torch._C._current_graph_task_id() != -1:
             return
-        if weight not in self._shared and self._pending(weight):
+        if weight not in self._shared and (self._pending(weight) or weight in self._segment_seen):
             self._mark_shared(weight, "is used more than once before one backward (a layer called twice, two "
                                       "forwards and one loss, or an earlier forward's graph kept without a backward)",
                               fixed=False)
         self._last_use[weight] = weakref.ref(node)
+
+    def _note_segment_use(self, weight: Tensor) -> None:
+        """A fused weight's use in the first, autograd-free forward of a reentrant checkpointed segment. Each segment
+        back-propagates in a backward of its own, where its layer would apply its update at once: a weight used in
+        two segments (looped or shared layers), twice in one, or in one and outside is summed instead (``_shared``)."""
+        if weight not in self._shared and (weight in self._segment_seen or self._pending(weight)):
+            self._mark_shared(weight, "is used more than once in one forward under reentrant gradient checkpointing "
+                                      "(a layer called twice, looped layers, or a use outside its segment)",
+                              fixed=False)
+        self._segment_seen.add(weight)
 
     def scan_uses(self, loss: Tensor) -> None:
         """Once after :meth:`attach`: walk ``loss``'s autograd graph and count, for each fused weight, the edges into
@@ -1095,6 +1116,25 @@ class ForgeOptimizer(Optimizer):
         self.skipped_steps = extra.get("skipped_steps", 0)
         self._prev_norm = extra.get("prev_norm")
         # load_state_dict replaces the param_group dicts; our index maps params to positions, still valid.
+
+
+def _segment_starts(opt_ref: Any, layer: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a layer with transformers' checkpointing flag: a call that checkpoints reentrantly (its
+    forward then runs without autograd) opens a segment, whose fused-weight uses FORGE counts (``_note_segment_use``).
+    Calls inside a backward (the recomputation) and under ``no_grad`` (generation) open none."""
+    opt = opt_ref()
+    if (opt is None or opt._segment is not None or not layer.gradient_checkpointing or not layer.training
+            or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1):
+        return
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    if getattr(func, "keywords", {}).get("use_reentrant") is not False:
+        opt._segment = layer
+
+
+def _segment_ends(opt_ref: Any, layer: nn.Module, args: Any, out: Any) -> None:
+    opt = opt_ref()
+    if opt is not None and opt._segment is layer:
+        opt._segment = None
 
 
 class ForgeAdamW(ForgeOptimizer):

@@ -49,6 +49,8 @@ def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         out = ForgeLinearFunction.apply(x, weight, bias, opt, None)
     if out.grad_fn is not None:
         opt._note_use(weight, out.grad_fn)
+    elif opt._segment is not None:  # a reentrant checkpointed segment's first forward
+        opt._note_segment_use(weight)
     return out
 
 
@@ -60,6 +62,8 @@ def _forge_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Ten
     out = ForgeEmbeddingFunction.apply(ids, weight, self.padding_idx, opt)
     if out.grad_fn is not None:
         opt._note_use(weight, out.grad_fn)
+    elif opt._segment is not None:
+        opt._note_segment_use(weight)
     return out
 
 
