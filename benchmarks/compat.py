@@ -326,12 +326,38 @@ def _incremental_logits(model: torch.nn.Module, ids: torch.Tensor, prompt: int) 
     return torch.cat(steps, dim=1)
 
 
+def _checkpointed_titans_differs(model: torch.nn.Module, ids: torch.Tensor) -> str | None:
+    """Every gradient of the training forward just back-propagated (in ``.grad``) against the same forward under
+    gradient checkpointing, reentrant and not (1e-5 of each tensor's largest element, + 1e-6 of the largest of all);
+    None if equal or if the model has no checkpointing."""
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    scale = max(g.abs().max().item() for g in ref.values())  # (a key bias's gradient is 0 up to rounding)
+    for reentrant in (True, False):
+        model.zero_grad(set_to_none=True)
+        try:
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24's name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        except ValueError:  # does not support checkpointing
+            return None
+        torch.manual_seed(1)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        for n, g in ref.items():
+            if n not in got or (got[n] - g).abs().max() > 1e-5 * g.abs().max() + 1e-6 * scale:
+                return f"under {'reentrant' if reentrant else 'non-reentrant'} checkpointing, {n}'s gradient differs"
+    (model.activation_checkpointing_disable if hasattr(model, "activation_checkpointing_disable")
+     else model.gradient_checkpointing_disable)()
+    return None
+
+
 def check_titans(family: str) -> tuple[str, str]:
     """Titans injection (``patch_model(titans=...)`` on the last decoder layer, memory only): the patched model's
     logits equal the original's at step 0, bit for bit; with the memory switched on, a training forward gives every
-    memory parameter a finite gradient (some non-zero); and a cached forward (prompt, then one token per call)
-    equals the uncached one, where the unpatched model's own cache does (else ``exact, uncached``: trained and
-    checked without a cache only)."""
+    memory parameter a finite gradient (some non-zero), the same under gradient checkpointing (reentrant and not);
+    and a cached forward (prompt, then one token per call) equals the uncached one, where the unpatched model's own
+    cache does (else ``exact, uncached``: trained and checked without a cache only)."""
     import memgrad_hf
     from memgrad_hf.patches.titans import titans_branches
     from memgrad_hf.titans import TitansConfig
@@ -373,6 +399,8 @@ def check_titans(family: str) -> tuple[str, str]:
             return "MISMATCH", "a memory parameter got no gradient or a non-finite one"
         if not any(q.abs().max() > 0 for q in grads):
             return "MISMATCH", "every memory gradient is zero"
+        if (why := _checkpointed_titans_differs(model, ids)) is not None:
+            return "MISMATCH", why
         model.eval()
         with torch.no_grad():
             full = model(input_ids=ids, use_cache=False).logits
