@@ -422,13 +422,15 @@ def check_titans(family: str) -> tuple[str, str]:
 
 
 def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm: float = 0.05,
-                checkpointing: bool = False) -> tuple[str, str]:
+                checkpointing: bool = False, logprobs: bool = False) -> tuple[str, str]:
     """``ForgeAdamW`` (exact clipping on: ``max_grad_norm`` below the tiny models' gradient norms) on a
     ``patch_model``ed model (the unpatched one where the head is refused) in a hand-written loop, against
     ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the unpatched model: every parameter after ``steps`` steps
     (1e-5 of the largest weight, fp32; eps 1e-3 keeps AdamW's ~lr·sign(g) first step from turning rounding of a
     near-zero gradient element into a whole step). ``checkpointing``: both models under transformers' gradient
-    checkpointing (reentrant, as TRL's configs ask for it)."""
+    checkpointing (reentrant, as TRL's configs ask for it). ``logprobs``: the loss is TRL's, the mean of per-token
+    log-probs computed outside the model, through :func:`memgrad_hf.grpo.add_fused_lm_head` (FORGE updates the head
+    in vocabulary blocks) against ``log_softmax`` of the unpatched model's logits."""
     import memgrad_hf
     from memgrad_hf.optim import ForgeAdamW
 
@@ -442,7 +444,16 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
     ids = torch.randint(3, min(vocab, 101), (2, 8), generator=torch.Generator().manual_seed(0))
     labels = ids.clone()
     labels[0, :2] = -100
+    mask = labels[:, 1:] != -100
     hp = dict(lr=1e-2, eps=1e-3, weight_decay=0.1)
+
+    def ref_loss(m: torch.nn.Module) -> torch.Tensor:
+        if not logprobs:
+            return m(input_ids=ids, labels=labels).loss
+        logits = m(input_ids=ids).logits[:, :-1].float()
+        lp = logits.log_softmax(-1).gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
+        return -(lp * mask).sum() / mask.sum()
+
     if checkpointing:
         try:
             for m in (model, ref, unpatched):
@@ -456,20 +467,29 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
         opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **hp)
         for _ in range(steps):
             torch.manual_seed(1)
-            ref(input_ids=ids, labels=labels).loss.backward()
+            ref_loss(ref).backward()
             torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
             opt_ref.step()
             opt_ref.zero_grad()
     except Exception as e:
         return "untested", f"unpatched model fails on the tiny config: {_why(e, 80)}"
+
     def train(model: torch.nn.Module, patch: bool) -> None:
         if patch:
             memgrad_hf.patch_model(model, chunk_size=4)
+        if logprobs:
+            from memgrad_hf.grpo import add_fused_lm_head
+
+            add_fused_lm_head(model, outputs=("log_probs",))
         opt = ForgeAdamW([p for p in model.parameters() if p.requires_grad], model=model,
                          max_grad_norm=max_grad_norm, **hp)
         for _ in range(steps):
             torch.manual_seed(1)
-            model(input_ids=ids, labels=labels).loss.backward()
+            if logprobs:  # a loss computed outside the model, as TRL's: through the optimizer's backward
+                lp = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+                opt.backward(-(lp * mask).sum() / mask.sum())
+            else:
+                model(input_ids=ids, labels=labels).loss.backward()
             opt.step()
             opt.zero_grad()
 
@@ -532,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.titans:
                 results[fam] = check_titans(fam)
             elif a.forge:
-                results[fam] = check_forge(fam, a.vision, checkpointing=a.checkpointing)
+                results[fam] = check_forge(fam, a.vision, checkpointing=a.checkpointing, logprobs=a.logprobs)
             else:
                 results[fam] = check(fam, a.vision, a.logprobs)
         except _Timeout:
