@@ -326,6 +326,15 @@ def _incremental_logits(model: torch.nn.Module, ids: torch.Tensor, prompt: int) 
     return torch.cat(steps, dim=1)
 
 
+def _enable_checkpointing(model: torch.nn.Module, reentrant: bool) -> None:
+    """transformers' gradient checkpointing under this version's name (``activation_checkpointing_enable`` since
+    5.24); raises ``ValueError`` where the model does not support it."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+
 def _checkpointed_titans_differs(model: torch.nn.Module, ids: torch.Tensor) -> str | None:
     """Every gradient of the training forward just back-propagated (in ``.grad``) against the same forward under
     gradient checkpointing, reentrant and not (1e-5 of each tensor's largest element, + 1e-6 of the largest of all);
@@ -335,10 +344,7 @@ def _checkpointed_titans_differs(model: torch.nn.Module, ids: torch.Tensor) -> s
     for reentrant in (True, False):
         model.zero_grad(set_to_none=True)
         try:
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24's name
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            _enable_checkpointing(model, reentrant)
         except ValueError:  # does not support checkpointing
             return None
         torch.manual_seed(1)
@@ -457,10 +463,7 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
     if checkpointing:
         try:
             for m in (model, ref, unpatched):
-                if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.24's name
-                    m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
-                else:
-                    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+                _enable_checkpointing(m, reentrant=True)
         except Exception as e:
             return "untested", f"no gradient checkpointing: {_why(e, 80)}"
     try:

@@ -32,18 +32,11 @@ class _SharedNet(nn.Module):
         return nn.functional.cross_entropy(self.out(h).flatten(0, 1), target.flatten())
 
 
-class _InPlaceAfterLinear(nn.Module):
+class _InPlaceAfterLinear(_SharedNet):
     """A biased linear layer on 3-D input whose output is edited in place (roc_bert's attention does so)."""
 
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(20, 16)
-        self.proj = nn.Linear(16, 16)
-        self.out = nn.Linear(16, 5)
-
     def forward(self, ids, ids2, target):
-        h = self.proj(self.emb(ids))
+        h = self.shared(self.emb(ids))
         h.mul_(0.5).add_(self.emb(ids2))
         return nn.functional.cross_entropy(self.out(torch.tanh(h)).flatten(0, 1), target.flatten())
 
