@@ -428,7 +428,7 @@ def check_titans(family: str) -> tuple[str, str]:
 
 
 def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm: float = 0.05,
-                checkpointing: bool = False, logprobs: bool = False) -> tuple[str, str]:
+                checkpointing: bool = False, logprobs: bool = False, lora: bool = False) -> tuple[str, str]:
     """``ForgeAdamW`` (exact clipping on: ``max_grad_norm`` below the tiny models' gradient norms) on a
     ``patch_model``ed model (the unpatched one where the head is refused) in a hand-written loop, against
     ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the unpatched model: every parameter after ``steps`` steps
@@ -436,15 +436,28 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
     near-zero gradient element into a whole step). ``checkpointing``: both models under transformers' gradient
     checkpointing (reentrant, as TRL's configs ask for it). ``logprobs``: the loss is TRL's, the mean of per-token
     log-probs computed outside the model, through :func:`memgrad_hf.grpo.add_fused_lm_head` (FORGE updates the head
-    in vocabulary blocks) against ``log_softmax`` of the unpatched model's logits."""
+    in vocabulary blocks) against ``log_softmax`` of the unpatched model's logits. ``lora``: a PEFT LoRA adapter on
+    every linear layer (``target_modules="all-linear"``, rank 4, B initialised non-zero) trains instead of the
+    model."""
     import memgrad_hf
     from memgrad_hf.optim import ForgeAdamW
 
     try:
         model = _tiny_vision(family) if vision else _tiny(family)
-        ref, unpatched = copy.deepcopy(model), copy.deepcopy(model)
     except Exception as e:
         return "untested", f"tiny config: {_why(e, 90)}"
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        try:
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                     lora_dropout=0.0, init_lora_weights=False))
+        except Exception as e:
+            return "untested", f"no LoRA adapter: {_why(e, 90)}"
+    try:
+        ref, unpatched = copy.deepcopy(model), copy.deepcopy(model)
+    except Exception as e:
+        return "untested", f"cannot copy the model: {_why(e, 80)}"
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0] if head is not None else 101
     ids = torch.randint(3, min(vocab, 101), (2, 8), generator=torch.Generator().manual_seed(0))
@@ -512,7 +525,8 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
                       zip(model.named_parameters(), ref.parameters(), strict=True))
     if worst > 1e-5 * scale:
         return "MISMATCH", f"{name}: {worst / scale:.1e} of the largest weight"
-    return "exact", f"{type(model).__name__} ({how}; {worst / scale:.0e})"
+    base = model.get_base_model() if lora else model
+    return "exact", f"{type(base).__name__} ({how}{', LoRA' if lora else ''}; {worst / scale:.0e})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -529,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="check ForgeAdamW with exact clipping instead, against torch.optim.AdamW + clip_grad_norm_")
     p.add_argument("--checkpointing", action="store_true",
                    help="with --forge: under reentrant gradient checkpointing (both models)")
+    p.add_argument("--lora", action="store_true",
+                   help="with --forge: a PEFT LoRA adapter on every linear layer trains instead of the model")
     p.add_argument("--titans", action="store_true",
                    help="check Titans injection instead: step-0 identity, memory gradients, cached == uncached")
     a = p.parse_args(argv)
@@ -555,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
             if a.titans:
                 results[fam] = check_titans(fam)
             elif a.forge:
-                results[fam] = check_forge(fam, a.vision, checkpointing=a.checkpointing, logprobs=a.logprobs)
+                results[fam] = check_forge(fam, a.vision, checkpointing=a.checkpointing, logprobs=a.logprobs,
+                                           lora=a.lora)
             else:
                 results[fam] = check(fam, a.vision, a.logprobs)
         except _Timeout:
