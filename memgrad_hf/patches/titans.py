@@ -273,10 +273,10 @@ def _cache_length(cache: Any, index: int, new_tokens: int) -> int:
     if (n := length()) is not None:
         return n
     raise UnsupportedModelError(
-            f"Titans memory: this model's {type(cache).__name__} holds no attention layer, so it does not count "
-            "tokens and the memory state cannot follow it. Run the model uncached: model(..., use_cache=False), "
-            "generate(..., use_cache=False) (training uses no cache)."
-        )
+        f"Titans memory: this model's {type(cache).__name__} holds no attention layer, so it does not count tokens "
+        "and the memory state cannot follow it. Run the model uncached: model(..., use_cache=False), "
+        "generate(..., use_cache=False) (training uses no cache)."
+    )
 
 
 # ------------------------------------------------------------------------------------------ the patched forward
@@ -322,9 +322,8 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise UnsupportedModelError(
             f"Titans memory on {name}: the layer was handed a recurrent state of the model's own "
             f"({type(own).__name__}: a cached call, or a long sequence the model splits into chunks), which the "
-            "memory state cannot follow. "
-            "Run the model uncached, on whole sequences: model(..., use_cache=False), generate(..., use_cache=False) "
-            "(training uses neither)."
+            "memory state cannot follow. Run the model uncached, on whole sequences: model(..., use_cache=False), "
+            "generate(..., use_cache=False) (training uses neither)."
         )
     entry = None
     state = None
