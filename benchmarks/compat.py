@@ -358,7 +358,7 @@ def _checkpointed_titans_differs(model: torch.nn.Module, ids: torch.Tensor) -> s
     return None
 
 
-def check_titans(family: str) -> tuple[str, str]:
+def check_titans(family: str, vision: bool = False) -> tuple[str, str]:
     """Titans injection (``patch_model(titans=...)`` on the last decoder layer, memory only): the patched model's
     logits equal the original's at step 0, bit for bit; with the memory switched on, a training forward gives every
     memory parameter a finite gradient (some non-zero), the same under gradient checkpointing (reentrant and not);
@@ -369,7 +369,7 @@ def check_titans(family: str) -> tuple[str, str]:
     from memgrad_hf.titans import TitansConfig
 
     try:
-        model = _tiny(family).eval()
+        model = (_tiny_vision(family) if vision else _tiny(family)).eval()
     except Exception as e:
         return "untested", f"tiny config: {_why(e, 90)}"
     head = model.get_output_embeddings()
@@ -534,6 +534,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("families", nargs="*", help="model types (default: every causal-LM model type)")
     p.add_argument("--timeout", type=int, default=30, help="seconds per family")
+    p.add_argument("--memory-gb", type=float, default=12.0,
+                   help="address space the sweep may add to this process's (a family whose shrunk config is still "
+                        "huge then fails with 'can't allocate', untested, instead of the whole sweep being killed by "
+                        "the OOM killer); 0: no limit")
     p.add_argument("--vision", action="store_true",
                    help="image-text-to-text (vision-language) model types instead, text-only forward")
     p.add_argument("--logprobs", action="store_true",
@@ -548,6 +552,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--titans", action="store_true",
                    help="check Titans injection instead: step-0 identity, memory gradients, cached == uncached")
     a = p.parse_args(argv)
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    try:
+        with open("/proc/self/statm") as f:  # pages of address space in use now
+            used = int(f.read().split()[0]) * resource.getpagesize()
+    except OSError:
+        used = None
+    limit = int(a.memory_gb * 2**30) + (used or 0)
+    if a.memory_gb > 0 and used is not None and (soft == resource.RLIM_INFINITY or soft > limit):
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        return _sweep(a)
+    finally:  # (the CLI may run inside a longer-lived process: tests)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _sweep(a: argparse.Namespace) -> int:
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
@@ -569,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.alarm(a.timeout)
         try:
             if a.titans:
-                results[fam] = check_titans(fam)
+                results[fam] = check_titans(fam, a.vision)
             elif a.forge:
                 results[fam] = check_forge(fam, a.vision, checkpointing=a.checkpointing, logprobs=a.logprobs,
                                            lora=a.lora)
