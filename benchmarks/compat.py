@@ -275,15 +275,15 @@ def check(family: str, vision: bool = False, logprobs: bool = False) -> tuple[st
         torch.manual_seed(1)
         r = ref(input_ids=ids, labels=labels)
         r.loss.backward()
+        if logprobs:  # the reference is log_softmax of the unpatched model's logits, not its loss
+            ref = lp_ref
+            mask = labels[:, 1:] != -100
+            torch.manual_seed(1)
+            logits = ref(input_ids=ids).logits[:, :-1].float()
+            ref_lp = logits.log_softmax(-1).gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0] * mask
+            ref_lp.sum().backward()
     except Exception as e:
         return "untested", f"unpatched model fails on the tiny config: {_why(e, 80)}"
-    if logprobs:  # the reference is log_softmax of the unpatched model's logits, not its loss
-        ref = lp_ref
-        mask = labels[:, 1:] != -100
-        torch.manual_seed(1)
-        logits = ref(input_ids=ids).logits[:, :-1].float()
-        ref_lp = logits.log_softmax(-1).gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0] * mask
-        ref_lp.sum().backward()
     try:
         if logprobs:
             from memgrad_hf.grpo import add_fused_lm_head
