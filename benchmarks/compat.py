@@ -5,7 +5,7 @@ config (size fields shrunk, a few layers kept such that every layer kind of a hy
 fields resized with them; ``FAMILY`` overrides where no generic rule can work), the model is built twice from one
 seed, one copy is patched, and the loss and every parameter gradient of a training forward with ``-100`` labels are
 compared (1e-5 relative, fp32). ``--logprobs`` checks TRL's fused-head contract instead, ``--titans`` the Titans
-injection (:func:`check_titans`), ``--forge`` two ``ForgeAdamW`` steps with exact clipping (:func:`check_forge`).
+injection (``benchmarks.compat_titans``), ``--forge`` FORGE's steps against torch's AdamW (``benchmarks.compat_forge``).
 
 Statuses: ``exact``; ``unsupported`` (memgrad raised ``UnsupportedModelError``: the message says why);
 ``MISMATCH`` / ``ERROR`` (a memgrad bug: please report); ``untested`` (the shrunk config could not be built or the
@@ -313,19 +313,6 @@ def check(family: str, vision: bool = False, logprobs: bool = False) -> tuple[st
     return ("exact" if same_loss and same_grads else "MISMATCH"), type(model).__name__
 
 
-def _incremental_logits(model: torch.nn.Module, ids: torch.Tensor, prompt: int) -> torch.Tensor:
-    """Logits of ``ids`` from a cached forward of the first ``prompt`` tokens, then one token per cached call."""
-    import inspect
-
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(input_ids=ids[:, :prompt], use_cache=True)
-    steps = [out.logits]
-    for t in range(prompt, ids.shape[1]):
-        out = model(input_ids=ids[:, t:t + 1], use_cache=True, **{key: out.past_key_values})
-        steps.append(out.logits)
-    return torch.cat(steps, dim=1)
-
-
 def _enable_checkpointing(model: torch.nn.Module, reentrant: bool) -> None:
     """transformers' gradient checkpointing under this version's name (``activation_checkpointing_enable`` since
     5.24); raises ``ValueError`` where the model does not support it."""
@@ -333,200 +320,6 @@ def _enable_checkpointing(model: torch.nn.Module, reentrant: bool) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-
-
-def _checkpointed_titans_differs(model: torch.nn.Module, ids: torch.Tensor) -> str | None:
-    """Every gradient of the training forward just back-propagated (in ``.grad``) against the same forward under
-    gradient checkpointing, reentrant and not (1e-5 of each tensor's largest element, + 1e-6 of the largest of all);
-    None if equal or if the model has no checkpointing."""
-    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    scale = max(g.abs().max().item() for g in ref.values())  # (a key bias's gradient is 0 up to rounding)
-    for reentrant in (True, False):
-        model.zero_grad(set_to_none=True)
-        try:
-            _enable_checkpointing(model, reentrant)
-        except ValueError:  # does not support checkpointing
-            return None
-        torch.manual_seed(1)
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        for n, g in ref.items():
-            if n not in got or (got[n] - g).abs().max() > 1e-5 * g.abs().max() + 1e-6 * scale:
-                return f"under {'reentrant' if reentrant else 'non-reentrant'} checkpointing, {n}'s gradient differs"
-    (model.activation_checkpointing_disable if hasattr(model, "activation_checkpointing_disable")
-     else model.gradient_checkpointing_disable)()
-    return None
-
-
-def check_titans(family: str, vision: bool = False) -> tuple[str, str]:
-    """Titans injection (``patch_model(titans=...)`` on the last decoder layer, memory only): the patched model's
-    logits equal the original's at step 0, bit for bit; with the memory switched on, a training forward gives every
-    memory parameter a finite gradient (some non-zero), the same under gradient checkpointing (reentrant and not);
-    and a cached forward (prompt, then one token per call) equals the uncached one, where the unpatched model's own
-    cache does (else ``exact, uncached``: trained and checked without a cache only)."""
-    import memgrad_hf
-    from memgrad_hf.patches.titans import titans_branches
-    from memgrad_hf.titans import TitansConfig
-
-    try:
-        model = (_tiny_vision(family) if vision else _tiny(family)).eval()
-    except Exception as e:
-        return "untested", f"tiny config: {_why(e, 90)}"
-    head = model.get_output_embeddings()
-    vocab = head.weight.shape[0] if head is not None else 101
-    ids = torch.randint(3, min(vocab, 101), (2, 10), generator=torch.Generator().manual_seed(0))
-    try:
-        with torch.no_grad():
-            ref = model(input_ids=ids, use_cache=False).logits.clone()
-    except Exception as e:
-        return "untested", f"unpatched model fails on the tiny config: {_why(e, 80)}"
-    try:  # does the unpatched model's cache reproduce its own uncached logits?
-        with torch.no_grad():
-            own = _incremental_logits(model, ids, 6)
-        has_cache = bool(torch.allclose(own, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()))
-    except Exception:
-        has_cache = False
-    try:
-        memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[-1], heads=2, chunk_size=4))
-        with torch.no_grad():
-            if not torch.equal(model(input_ids=ids, use_cache=False).logits, ref):
-                return "MISMATCH", "step 0: the patched model's logits differ from the original's"
-            branches = list(titans_branches(model).values())
-            g = torch.Generator().manual_seed(3)
-            for branch in branches:
-                branch.out.weight.copy_(torch.randn(branch.out.weight.shape, generator=g) * 0.5)
-        model.train()
-        torch.manual_seed(1)
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        grads = [p.grad for b in branches for p in b.parameters() if p.requires_grad]
-        if all(q is None for q in grads):  # mllama: a cross-attention layer, skipped without an image
-            return "untested", "the last decoder layer does not run in a text-only training forward"
-        if not grads or any(q is None or not torch.isfinite(q).all() for q in grads):
-            return "MISMATCH", "a memory parameter got no gradient or a non-finite one"
-        if not any(q.abs().max() > 0 for q in grads):
-            return "MISMATCH", "every memory gradient is zero"
-        if (why := _checkpointed_titans_differs(model, ids)) is not None:
-            return "MISMATCH", why
-        model.eval()
-        with torch.no_grad():
-            full = model(input_ids=ids, use_cache=False).logits
-            if torch.allclose(full, ref, atol=1e-6):
-                return "MISMATCH", "the switched-on memory does not reach the logits"
-            if not has_cache:
-                return "exact, uncached", f"{type(model).__name__} (the unpatched model's cache does not match)"
-            try:
-                inc = _incremental_logits(model, ids, 6)
-            except memgrad_hf.UnsupportedModelError as e:
-                return "exact, uncached", str(e)[:110]
-    except memgrad_hf.UnsupportedModelError as e:
-        return "unsupported", str(e)[:110]
-    except Exception as e:
-        return "ERROR", f"{type(e).__name__}: {str(e)[:100]}"
-    if not torch.allclose(inc, full, rtol=1e-4, atol=1e-4 * full.abs().max().item()):
-        return "MISMATCH", f"cached forward differs: {(inc - full).abs().max().item():.2e}"
-    return "exact", type(model).__name__
-
-
-def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm: float = 0.05,
-                checkpointing: bool = False, logprobs: bool = False, lora: bool = False) -> tuple[str, str]:
-    """``ForgeAdamW`` (exact clipping on: ``max_grad_norm`` below the tiny models' gradient norms) on a
-    ``patch_model``ed model (the unpatched one where the head is refused) in a hand-written loop, against
-    ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the unpatched model: every parameter after ``steps`` steps
-    (1e-5 of the largest weight, fp32; eps 1e-3 keeps AdamW's ~lr·sign(g) first step from turning rounding of a
-    near-zero gradient element into a whole step). ``checkpointing``: both models under transformers' gradient
-    checkpointing (reentrant, as TRL's configs ask for it). ``logprobs``: the loss is TRL's, the mean of per-token
-    log-probs computed outside the model, through :func:`memgrad_hf.grpo.add_fused_lm_head` (FORGE updates the head
-    in vocabulary blocks) against ``log_softmax`` of the unpatched model's logits. ``lora``: a PEFT LoRA adapter on
-    every linear layer (``target_modules="all-linear"``, rank 4, B initialised non-zero) trains instead of the
-    model."""
-    import memgrad_hf
-    from memgrad_hf.optim import ForgeAdamW
-
-    try:
-        model = _tiny_vision(family) if vision else _tiny(family)
-    except Exception as e:
-        return "untested", f"tiny config: {_why(e, 90)}"
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        try:
-            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                     lora_dropout=0.0, init_lora_weights=False))
-        except Exception as e:
-            return "untested", f"no LoRA adapter: {_why(e, 90)}"
-    try:
-        ref, unpatched = copy.deepcopy(model), copy.deepcopy(model)
-    except Exception as e:
-        return "untested", f"cannot copy the model: {_why(e, 80)}"
-    head = model.get_output_embeddings()
-    vocab = head.weight.shape[0] if head is not None else 101
-    ids = torch.randint(3, min(vocab, 101), (2, 8), generator=torch.Generator().manual_seed(0))
-    labels = ids.clone()
-    labels[0, :2] = -100
-    mask = labels[:, 1:] != -100
-    hp = dict(lr=1e-2, eps=1e-3, weight_decay=0.1)
-
-    def ref_loss(m: torch.nn.Module) -> torch.Tensor:
-        if not logprobs:
-            return m(input_ids=ids, labels=labels).loss
-        logits = m(input_ids=ids).logits[:, :-1].float()
-        lp = logits.log_softmax(-1).gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
-        return -(lp * mask).sum() / mask.sum()
-
-    if checkpointing:
-        try:
-            for m in (model, ref, unpatched):
-                _enable_checkpointing(m, reentrant=True)
-        except Exception as e:
-            return "untested", f"no gradient checkpointing: {_why(e, 80)}"
-    try:
-        opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **hp)
-        for _ in range(steps):
-            torch.manual_seed(1)
-            ref_loss(ref).backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
-            opt_ref.step()
-            opt_ref.zero_grad()
-    except Exception as e:
-        return "untested", f"unpatched model fails on the tiny config: {_why(e, 80)}"
-
-    def train(model: torch.nn.Module, patch: bool) -> None:
-        if patch:
-            memgrad_hf.patch_model(model, chunk_size=4)
-        if logprobs:
-            from memgrad_hf.grpo import add_fused_lm_head
-
-            add_fused_lm_head(model, outputs=("log_probs",))
-        opt = ForgeAdamW([p for p in model.parameters() if p.requires_grad], model=model,
-                         max_grad_norm=max_grad_norm, **hp)
-        for _ in range(steps):
-            torch.manual_seed(1)
-            if logprobs:  # a loss computed outside the model, as TRL's: through the optimizer's backward
-                lp = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
-                opt.backward(-(lp * mask).sum() / mask.sum())
-            else:
-                model(input_ids=ids, labels=labels).loss.backward()
-            opt.step()
-            opt.zero_grad()
-
-    how = "patched head"
-    try:
-        try:
-            train(model, patch=True)
-        except memgrad_hf.UnsupportedModelError:  # the head is refused (prophetnet): FORGE alone
-            how, model = "unpatched head", unpatched
-            train(model, patch=False)
-    except memgrad_hf.UnsupportedModelError as e:
-        return "unsupported", str(e)[:110]
-    except Exception as e:
-        return "ERROR", f"{type(e).__name__}: {str(e)[:100]}"
-    scale = max(p.abs().max().item() for p in ref.parameters())
-    worst, name = max(((p - q).abs().max().item(), n) for (n, p), q in
-                      zip(model.named_parameters(), ref.parameters(), strict=True))
-    if worst > 1e-5 * scale:
-        return "MISMATCH", f"{name}: {worst / scale:.1e} of the largest weight"
-    base = model.get_base_model() if lora else model
-    return "exact", f"{type(base).__name__} ({how}{', LoRA' if lora else ''}; {worst / scale:.0e})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -575,6 +368,9 @@ def _sweep(a: argparse.Namespace) -> int:
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     )
     from transformers.utils import logging as hf_logging
+
+    from benchmarks.compat_forge import check_forge
+    from benchmarks.compat_titans import check_titans
 
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore")

@@ -524,7 +524,7 @@ def test_hybrid_decoders_generate_with_the_memory_on_their_cache(family):
     # of the cache), minimax's lightning-attention layer (no cache layer at all: get_seq_length said 0, and each
     # decoding step restarted the memory), longcat_flash's two attention modules per decoder layer (it read the
     # earlier layer's, already written in this forward). Each: step-0 identity, memory gradients, cached == uncached
-    from benchmarks.compat import check_titans
+    from benchmarks.compat_titans import check_titans
 
     assert check_titans(family)[0] == "exact"
 
@@ -534,7 +534,7 @@ def test_hybrid_decoders_generate_with_the_memory_on_their_cache(family):
     ("deepseek_v4", "unsupported", "hidden states have shape (2, 10, 4, 32)"),  # several residual streams
 ])
 def test_decoders_the_memory_cannot_follow_are_refused_by_name(family, status, says):
-    from benchmarks.compat import check_titans
+    from benchmarks.compat_titans import check_titans
 
     got, detail = check_titans(family)
     assert (got, says in detail) == (status, True), detail

@@ -1,0 +1,112 @@
+"""``memgrad-hf bench compat --forge``: FORGE's steps against torch's AdamW on every model type (see
+:func:`check_forge`)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from benchmarks.compat import _enable_checkpointing, _tiny, _tiny_vision, _why
+
+
+def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm: float = 0.05,
+                checkpointing: bool = False, logprobs: bool = False, lora: bool = False) -> tuple[str, str]:
+    """``ForgeAdamW`` (exact clipping on: ``max_grad_norm`` below the tiny models' gradient norms) on a
+    ``patch_model``ed model (the unpatched one where the head is refused) in a hand-written loop, against
+    ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the unpatched model: every parameter after ``steps`` steps
+    (1e-5 of the largest weight, fp32; eps 1e-3 keeps AdamW's ~lr·sign(g) first step from turning rounding of a
+    near-zero gradient element into a whole step). ``checkpointing``: both models under transformers' gradient
+    checkpointing (reentrant, as TRL's configs ask for it). ``logprobs``: the loss is TRL's, the mean of per-token
+    log-probs computed outside the model, through :func:`memgrad_hf.grpo.add_fused_lm_head` (FORGE updates the head
+    in vocabulary blocks) against ``log_softmax`` of the unpatched model's logits. ``lora``: a PEFT LoRA adapter on
+    every linear layer (``target_modules="all-linear"``, rank 4, B initialised non-zero) trains instead of the
+    model."""
+    import memgrad_hf
+    from memgrad_hf.optim import ForgeAdamW
+
+    try:
+        model = _tiny_vision(family) if vision else _tiny(family)
+    except Exception as e:
+        return "untested", f"tiny config: {_why(e, 90)}"
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        try:
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                     lora_dropout=0.0, init_lora_weights=False))
+        except Exception as e:
+            return "untested", f"no LoRA adapter: {_why(e, 90)}"
+    try:
+        ref, unpatched = copy.deepcopy(model), copy.deepcopy(model)
+    except Exception as e:
+        return "untested", f"cannot copy the model: {_why(e, 80)}"
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0] if head is not None else 101
+    ids = torch.randint(3, min(vocab, 101), (2, 8), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :2] = -100
+    mask = labels[:, 1:] != -100
+    hp = dict(lr=1e-2, eps=1e-3, weight_decay=0.1)
+
+    def ref_loss(m: torch.nn.Module) -> torch.Tensor:
+        if not logprobs:
+            return m(input_ids=ids, labels=labels).loss
+        logits = m(input_ids=ids).logits[:, :-1].float()
+        lp = logits.log_softmax(-1).gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
+        return -(lp * mask).sum() / mask.sum()
+
+    if checkpointing:
+        try:
+            for m in (model, ref, unpatched):
+                _enable_checkpointing(m, reentrant=True)
+        except Exception as e:
+            return "untested", f"no gradient checkpointing: {_why(e, 80)}"
+    try:
+        opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **hp)
+        for _ in range(steps):
+            torch.manual_seed(1)
+            ref_loss(ref).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+            opt_ref.step()
+            opt_ref.zero_grad()
+    except Exception as e:
+        return "untested", f"unpatched model fails on the tiny config: {_why(e, 80)}"
+
+    def train(model: torch.nn.Module, patch: bool) -> None:
+        if patch:
+            memgrad_hf.patch_model(model, chunk_size=4)
+        if logprobs:
+            from memgrad_hf.grpo import add_fused_lm_head
+
+            add_fused_lm_head(model, outputs=("log_probs",))
+        opt = ForgeAdamW([p for p in model.parameters() if p.requires_grad], model=model,
+                         max_grad_norm=max_grad_norm, **hp)
+        for _ in range(steps):
+            torch.manual_seed(1)
+            if logprobs:  # a loss computed outside the model, as TRL's: through the optimizer's backward
+                lp = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+                opt.backward(-(lp * mask).sum() / mask.sum())
+            else:
+                model(input_ids=ids, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    how = "patched head"
+    try:
+        try:
+            train(model, patch=True)
+        except memgrad_hf.UnsupportedModelError:  # the head is refused (prophetnet): FORGE alone
+            how, model = "unpatched head", unpatched
+            train(model, patch=False)
+    except memgrad_hf.UnsupportedModelError as e:
+        return "unsupported", str(e)[:110]
+    except Exception as e:
+        return "ERROR", f"{type(e).__name__}: {str(e)[:100]}"
+    scale = max(p.abs().max().item() for p in ref.parameters())
+    worst, name = max(((p - q).abs().max().item(), n) for (n, p), q in
+                      zip(model.named_parameters(), ref.parameters(), strict=True))
+    if worst > 1e-5 * scale:
+        return "MISMATCH", f"{name}: {worst / scale:.1e} of the largest weight"
+    base = model.get_base_model() if lora else model
+    return "exact", f"{type(base).__name__} ({how}{', LoRA' if lora else ''}; {worst / scale:.0e})"
