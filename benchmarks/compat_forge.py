@@ -17,11 +17,11 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
     ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the unpatched model: every parameter after ``steps`` steps
     (1e-5 of the largest weight, fp32; eps 1e-3 keeps AdamW's ~lr·sign(g) first step from turning rounding of a
     near-zero gradient element into a whole step). ``checkpointing``: both models under transformers' gradient
-    checkpointing (reentrant, as TRL's configs ask for it). ``logprobs``: the loss is TRL's, the mean of per-token
-    log-probs computed outside the model, through :func:`memgrad_hf.grpo.add_fused_lm_head` (FORGE updates the head
-    in vocabulary blocks) against ``log_softmax`` of the unpatched model's logits. ``lora``: a PEFT LoRA adapter on
-    every linear layer (``target_modules="all-linear"``, rank 4, B initialised non-zero) trains instead of the
-    model."""
+    checkpointing, reentrant (the case FORGE handles apart; transformers' default is non-reentrant). ``logprobs``:
+    the loss is TRL's, the mean of per-token log-probs computed outside the model, through
+    :func:`memgrad_hf.grpo.add_fused_lm_head` (FORGE updates the head in vocabulary blocks) against ``log_softmax``
+    of the unpatched model's logits. ``lora``: a PEFT LoRA adapter on every linear layer
+    (``target_modules="all-linear"``, rank 4, B initialised non-zero) trains instead of the model."""
     import memgrad_hf
     from memgrad_hf.optim import ForgeAdamW
 
