@@ -570,11 +570,8 @@ class ForgeOptimizer(Optimizer):
         torch.autograd.Variable._execution_engine.queue_callback(self._leave)
 
     def _reentrant_checkpointing(self) -> bool:
-        """Whether a layer runs transformers' gradient checkpointing with ``use_reentrant`` true or not given (torch's
-        checkpoint then takes True)."""
-        return any(m.gradient_checkpointing and getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords",
-                                                        {}).get("use_reentrant") is not False
-                   for m in self._ckpt_layers)
+        """Whether a layer runs transformers' gradient checkpointing reentrantly."""
+        return any(_checkpoints_reentrantly(m) for m in self._ckpt_layers)
 
     def _leave(self) -> None:
         """The root's backward has ended: every deferred gradient is complete; apply (or measure) each once."""
@@ -1118,16 +1115,20 @@ class ForgeOptimizer(Optimizer):
         # load_state_dict replaces the param_group dicts; our index maps params to positions, still valid.
 
 
+def _checkpoints_reentrantly(layer: nn.Module) -> bool:
+    """Whether ``layer`` has transformers' gradient checkpointing on with ``use_reentrant`` true or not given (torch's
+    checkpoint then takes True)."""
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    return bool(layer.gradient_checkpointing) and getattr(func, "keywords", {}).get("use_reentrant") is not False
+
+
 def _segment_starts(opt_ref: Any, layer: nn.Module, args: Any) -> None:
     """Forward pre-hook of a layer with transformers' checkpointing flag: a call that checkpoints reentrantly (its
     forward then runs without autograd) opens a segment, whose fused-weight uses FORGE counts (``_note_segment_use``).
     Calls inside a backward (the recomputation) and under ``no_grad`` (generation) open none."""
     opt = opt_ref()
-    if (opt is None or opt._segment is not None or not layer.gradient_checkpointing or not layer.training
-            or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1):
-        return
-    func = getattr(layer, "_gradient_checkpointing_func", None)
-    if getattr(func, "keywords", {}).get("use_reentrant") is not False:
+    if (opt is not None and opt._segment is None and layer.training and torch.is_grad_enabled()
+            and torch._C._current_graph_task_id() == -1 and _checkpoints_reentrantly(layer)):
         opt._segment = layer
 
 
