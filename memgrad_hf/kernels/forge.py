@@ -385,6 +385,15 @@ def apply_rule_chunked(
         apply_rule(rule, p, g * coef if coef != 1.0 else g, st, hp, step,
                    stochastic_rounding=stochastic_rounding, seed=seed, offset=offset)
         return
+    if p.dim() >= 2:  # row chunks, as a linear layer's tiles: the same rows take the same (eager or compiled) path
+        row_len = p.numel() // max(p.shape[0], 1)
+        rows = max(1, chunk_elems // max(row_len, 1))
+        for r0 in range(0, p.shape[0], rows):
+            r1 = min(r0 + rows, p.shape[0])
+            gi = g[r0:r1] * coef if coef != 1.0 else g[r0:r1]
+            apply_rule(rule, p[r0:r1], gi, {k: v[r0:r1] for k, v in st.items()}, hp, step,
+                       stochastic_rounding=stochastic_rounding, seed=seed, offset=offset + r0 * row_len)
+        return
     fp, fg = p.view(-1), g.reshape(-1)
     fst = {k: v.view(-1) for k, v in st.items()}
     for i in range(0, fp.numel(), chunk_elems):
