@@ -97,6 +97,30 @@ FAMILY: dict[str, dict[str, object]] = {
 }
 
 
+# --task: the auto class a sweep builds, and the transformers mapping that lists its model types
+TASKS: dict[str, tuple[str, str]] = {
+    "causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    "seq2seq": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    "masked-lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    "seq-cls": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+}
+
+
+def _batch(task: str, vocab: int) -> dict[str, torch.Tensor]:
+    """A fixed training batch for ``task``: 2 x 8 token ids and the task's labels (token labels with ``-100`` at the
+    start of the first row; a seq2seq model's own 8 target tokens; a classifier's two classes, rows ending in eos).
+    The seq2seq mapping also lists decoder-only speech LMs, whose labels must be as long as their inputs: hence 8
+    targets."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, min(vocab, 101), (2, 8), generator=gen)
+    if task == "seq-cls":  # ends in eos: the encoder-decoders' classifiers read its position
+        ids[:, -1] = TOKEN_IDS["eos_token_id"]
+        return dict(input_ids=ids, labels=torch.tensor([0, 1]))
+    labels = torch.randint(3, min(vocab, 101), (2, 8), generator=gen) if task == "seq2seq" else ids.clone()
+    labels[0, :2] = -100
+    return dict(input_ids=ids, labels=labels)
+
+
 class _Timeout(BaseException):  # not caught by check()'s `except Exception`
     pass
 
@@ -203,9 +227,11 @@ def _shrunk(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _tiny(family: str) -> torch.nn.Module:
-    """The family's default config made tiny (its text config, for a multimodal one), as a model in fp32."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _tiny(family: str, task: str = "causal-lm") -> torch.nn.Module:
+    """The family's default config made tiny (its text config, for a multimodal one), as a model in fp32, built by
+    ``task``'s auto class (:data:`TASKS`)."""
+    import transformers
+    from transformers import AutoConfig
 
     base = AutoConfig.for_model(family)
     text = base.get_text_config(decoder=True)
@@ -215,15 +241,19 @@ def _tiny(family: str) -> torch.nn.Module:
         sub = getattr(base, name, None)
         if sub is text:
             changes[name] = {**text.to_dict(), **text_changes}
+        elif hasattr(sub, "to_dict") and task != "causal-lm":  # built too (a speech LM's audio encoder): shrunk
+            changes[name] = {**sub.to_dict(), **_shrunk(sub.to_dict())}
         elif hasattr(sub, "to_dict"):  # outputs projected into the text model follow its width (dots3_note)
             width = text.to_dict().get("hidden_size")
             new_width = text_changes.get("hidden_size", width)
             follow = {k: new_width for k, v in sub.to_dict().items() if "out" in k and v == width}
             if follow:
                 changes[name] = {**sub.to_dict(), **follow}
+    if task != "causal-lm":  # t5-style configs have no such field to shrink; their decoders need one
+        changes.setdefault("decoder_start_token_id", TOKEN_IDS["decoder_start_token_id"])
     cfg = AutoConfig.for_model(family, **changes)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).float().train()
+    return getattr(transformers, TASKS[task][0]).from_config(cfg).float().train()
 
 
 def _tiny_vision(family: str) -> torch.nn.Module:
@@ -252,28 +282,30 @@ VISION_FAMILY: dict[str, dict[str, Any]] = {
 }
 
 
-def check(family: str, vision: bool = False, logprobs: bool = False) -> tuple[str, str]:
+def check(family: str, vision: bool = False, logprobs: bool = False, task: str = "causal-lm") -> tuple[str, str]:
     """Text-only training forward of the tiny model, patched vs unpatched (``vision``: an image-text-to-text
-    model type). ``logprobs``: TRL's fused-head contract instead (:func:`memgrad_hf.grpo.add_fused_lm_head`):
-    per-token log-probs and every gradient of their sum against ``log_softmax`` of the model's own logits."""
+    model type; ``task``: the model class, :data:`TASKS`). ``logprobs``: TRL's fused-head contract instead
+    (:func:`memgrad_hf.grpo.add_fused_lm_head`): per-token log-probs and every gradient of their sum against
+    ``log_softmax`` of the model's own logits."""
     import memgrad_hf
 
     try:
-        model = _tiny_vision(family) if vision else _tiny(family)
+        model = _tiny_vision(family) if vision else _tiny(family, task)
     except Exception as e:
         return "untested", f"tiny config: {_why(e, 90)}"
-    ref = copy.deepcopy(model)
-    # a fresh copy for the log-probs reference: some models change state on their first call (big_bird switches
-    # its attention type), so the reference must be a first call as well
-    lp_ref = copy.deepcopy(model) if logprobs else None
+    try:
+        ref = copy.deepcopy(model)
+        # a fresh copy for the log-probs reference: some models change state on their first call (big_bird
+        # switches its attention type), so the reference must be a first call as well
+        lp_ref = copy.deepcopy(model) if logprobs else None
+    except Exception as e:
+        return "untested", f"cannot copy the model: {_why(e, 80)}"
     head = model.get_output_embeddings()
-    vocab = head.weight.shape[0] if head is not None else 101
-    ids = torch.randint(3, min(vocab, 101), (2, 8))
-    labels = ids.clone()
-    labels[0, :2] = -100
+    batch = _batch(task, head.weight.shape[0] if head is not None else 101)
+    ids, labels = batch["input_ids"], batch["labels"]
     try:
         torch.manual_seed(1)
-        r = ref(input_ids=ids, labels=labels)
+        r = ref(**batch)
         r.loss.backward()
         if logprobs:  # the reference is log_softmax of the unpatched model's logits, not its loss
             ref = lp_ref
@@ -295,7 +327,7 @@ def check(family: str, vision: bool = False, logprobs: bool = False) -> tuple[st
         else:
             memgrad_hf.patch_model(model, chunk_size=4)
             torch.manual_seed(1)
-            o = model(input_ids=ids, labels=labels)
+            o = model(**batch)
             o.loss.backward()
     except memgrad_hf.UnsupportedModelError as e:
         return "unsupported", str(e)[:110]
@@ -342,9 +374,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --forge: under reentrant gradient checkpointing (both models)")
     p.add_argument("--lora", action="store_true",
                    help="with --forge: a PEFT LoRA adapter on every linear layer trains instead of the model")
+    p.add_argument("--task", choices=sorted(TASKS), default="causal-lm",
+                   help="the model class swept (default causal-lm): seq2seq (encoder-decoders), masked-lm, seq-cls "
+                        "(sequence classification: --forge only, it has no LM head)")
     p.add_argument("--titans", action="store_true",
                    help="check Titans injection instead: step-0 identity, memory gradients, cached == uncached")
     a = p.parse_args(argv)
+    if a.task != "causal-lm" and (a.vision or a.logprobs or a.titans or (a.task == "seq-cls" and not a.forge)):
+        p.error(f"--task {a.task} is swept by the head check or --forge (--forge only for seq-cls), without --vision, "
+                "--logprobs or --titans")
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -363,10 +401,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sweep(a: argparse.Namespace) -> int:
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-    )
+    from transformers.models.auto import modeling_auto
     from transformers.utils import logging as hf_logging
 
     from benchmarks.compat_forge import check_forge
@@ -375,8 +410,8 @@ def _sweep(a: argparse.Namespace) -> int:
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(2)
-    families = a.families or sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if a.vision
-                                    else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    mapping = "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES" if a.vision else TASKS[a.task][1]
+    families = a.families or sorted(getattr(modeling_auto, mapping))
 
     def on_alarm(*_: object) -> None:
         raise _Timeout
@@ -390,9 +425,9 @@ def _sweep(a: argparse.Namespace) -> int:
                 results[fam] = check_titans(fam, a.vision)
             elif a.forge:
                 results[fam] = check_forge(fam, a.vision, checkpointing=a.checkpointing, logprobs=a.logprobs,
-                                           lora=a.lora)
+                                           lora=a.lora, task=a.task)
             else:
-                results[fam] = check(fam, a.vision, a.logprobs)
+                results[fam] = check(fam, a.vision, a.logprobs, a.task)
         except _Timeout:
             results[fam] = ("untested", f"over {a.timeout}s")
         finally:

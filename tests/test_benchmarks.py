@@ -157,3 +157,18 @@ def test_bench_compat_forge_steps_like_torch_adamw(capsys, monkeypatch):
     monkeypatch.setattr(memgrad_hf.optim, "ForgeAdamW", other_beta)
     assert cli.main(["bench", "compat", "--forge", "llama"]) == 1
     assert "| llama | MISMATCH |" in capsys.readouterr().out
+
+
+def test_bench_compat_sweeps_other_model_classes(capsys):
+    rc = cli.main(["bench", "compat", "--task", "masked-lm", "modernbert", "bert"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| modernbert | exact | ModernBertForMaskedLM |" in out and "| bert | exact | BertForMaskedLM |" in out
+    rc = cli.main(["bench", "compat", "--forge", "--task", "seq2seq", "t5", "switch_transformers"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| t5 | exact | T5ForConditionalGeneration (patched head;" in out
+    # its top-1 router flips on rounding-sized weight changes: stock training is no reference there, and says so
+    assert "| switch_transformers | untested | chaotic: stock training from weights moved by 1e-7" in out
+    with pytest.raises(SystemExit):  # a classifier has no LM head to check
+        cli.main(["bench", "compat", "--task", "seq-cls", "llama"])

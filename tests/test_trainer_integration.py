@@ -116,6 +116,48 @@ def test_label_smoothing_on_a_model_with_its_own_cross_entropy_runs_as_stock(tmp
     assert a.evaluate(_data())["eval_loss"] == pytest.approx(b.evaluate(_data())["eval_loss"], rel=1e-6)
 
 
+def _masked_lm_data(n=12, t=10):
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(3, VOCAB, (t,), generator=g)
+        labels = torch.where(torch.rand(t, generator=g) < 0.3, ids, -100)  # targets at the masked positions
+        labels[0] = ids[0]
+        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return rows
+
+
+def test_masked_lm_trains_and_evaluates_as_stock_without_logits(tmp_path):
+    # a masked LM (loss_type ForMaskedLM: unshifted labels) under Trainer: training with label smoothing (stock smooths
+    # full logits on unshifted labels) and loss-only evaluation run through the chunked head, equal to stock
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    torch.manual_seed(0)
+    model = ModernBertForMaskedLM(ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, pad_token_id=0, global_attn_every_n_layers=2, local_attention=8))
+    ref = copy.deepcopy(model)
+    memgrad_hf.patch_model(model, chunk_size=4)
+    seen = []
+    model.register_forward_hook(lambda m, args, out: seen.append(out.logits is None))
+    runs = []
+    for m in (model, ref):
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+                                 per_device_eval_batch_size=3, learning_rate=1e-2, logging_steps=1,
+                                 save_strategy="no", report_to="none", use_cpu=True, seed=0, data_seed=0,
+                                 label_smoothing_factor=0.1)
+        trainer = Trainer(model=m, args=args, train_dataset=_masked_lm_data(), eval_dataset=_masked_lm_data(6))
+        trainer.train()
+        logged = [h[k] for h in trainer.state.log_history for k in ("loss", "grad_norm") if k in h]
+        runs.append((logged, trainer.evaluate()["eval_loss"]))
+    assert seen and all(seen), seen
+    assert len(runs[0][0]) == 6 and runs[0][0] == pytest.approx(runs[1][0], rel=1e-5)
+    assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-5)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        # AdamW (lr 1e-2) divides rounding-sized gradient differences by the gradients' own small size
+        assert (p - q).abs().max() <= 1e-4 * q.abs().max(), n
+
+
 @pytest.mark.parametrize("family,smoothing", [("llama", 0.0), ("llama", 0.1), ("mixtral", 0.1)])
 def test_loss_only_evaluation_builds_no_logits(tmp_path, family, smoothing):
     # Without compute_metrics (or with prediction_loss_only) the Trainer drops the logits, so the patched model

@@ -261,6 +261,7 @@ class ForgeOptimizer(Optimizer):
         self._shared: set[Tensor] = set()
         self._shared_fixed: set[Tensor] = set()  # found in the graph or at the hook: shared from then on
         self._warned_shared: set[Tensor] = set()
+        self._shared_unreported: dict[str, list[str]] = {}  # reason -> names found after its first, this step
         # fused weight -> weakref to its latest use not yet back-propagated: the autograd node of its layer, or the
         # chunked head's consumer of its gradient (see _pending)
         self._last_use: dict[Tensor, Any] = {}
@@ -945,8 +946,22 @@ class ForgeOptimizer(Optimizer):
             return
         self._warned_shared.add(weight)
         name = next((n for n, q in self.model.named_parameters() if q is weight), "a weight")
+        if why in self._shared_unreported:  # one line per reason and step, not one per weight (prophetnet: 24)
+            self._shared_unreported[why].append(name)
+            return
+        self._shared_unreported[why] = []
         log.warning("forge: %s %s: its gradient is summed by autograd and then applied once, as torch.optim does (its "
                     "weight gradient exists in full for that moment).", name, why)
+
+    def _report_shared(self) -> None:
+        """The weights :meth:`_mark_shared` found this step after the first of each reason, in one line per reason."""
+        for why, names in self._shared_unreported.items():
+            if names:
+                shown = ", ".join(names[:3]) + (f" and {len(names) - 3} others" if len(names) > 3 else "")
+                many = len(names) > 1
+                log.warning("forge: as above, %d more weight%s %s: %s.", len(names), "s" if many else "",
+                            why.replace("is used", "are used", 1) if many else why, shown)
+        self._shared_unreported.clear()
 
     def _note_update(self, p: Tensor) -> None:
         """Warn once when a parameter is updated twice between two step() calls (each backward applies an update)."""
@@ -1043,6 +1058,7 @@ class ForgeOptimizer(Optimizer):
         # gradients still deferred (a root left over from a backward that raised made a later backward without a
         # root defer them): complete by now, applied here rather than lost
         self._leave()
+        self._report_shared()
         self._applied.clear()
         self._in_layer.clear()
         self._shared = set(self._shared_fixed)  # marks found at forward hold for their step only

@@ -37,7 +37,8 @@ def patch_model(
     chunk_size: int | None = None,
     accum_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Patch a transformers ``*ForCausalLM`` (or a PEFT model around one) in place and return it.
+    """Patch a transformers ``*ForCausalLM`` (or ``*ForMaskedLM``, an encoder-decoder's
+    ``*ForConditionalGeneration``, a PEFT model around one) in place and return it.
 
     Args:
         head: chunked LM head — in training forwards with ``labels`` the ``[tokens x vocab]`` logits are never

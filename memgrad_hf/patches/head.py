@@ -1,4 +1,4 @@
-"""The generic chunked-head patch for any transformers ``*ForCausalLM``.
+"""The generic chunked-head patch for any transformers ``*ForCausalLM`` (masked LMs and encoder-decoders too).
 
 How it works, without a hand-copied forward per model:
 
@@ -53,7 +53,7 @@ class HeadPatch:
     # False after unpatch_model found the forward wrapped by something installed later (see unpatch_head)
     active: bool = True
     lost_warned: bool = False  # (see head_patch)
-    loss_warned: bool = False  # (see _loss_not_causal_lm)
+    loss_warned: bool = False  # (see _loss_not_served)
 
 
 # ------------------------------------------------------------------------------------------ head resolution
@@ -232,10 +232,16 @@ def capture_head_input(model: nn.Module, patch: HeadPatch | None = None):
 
     original_loss = model.loss_function
 
+    from transformers.loss.loss_utils import ForMaskedLMLoss
+
+    masked_lm = _stock_loss(model) is ForMaskedLMLoss  # its labels are each position's own target: no shift
+
     def loss_function(logits: Any, labels: Any = None, vocab_size: int | None = None, *args: Any, **kwargs: Any):
         if not isinstance(logits, LogitsProbe):
             return original_loss(logits, labels, vocab_size, *args, **kwargs)
         cap.loss_calls += 1
+        if masked_lm:
+            kwargs["shift_labels"] = labels
         return _chunked_causal_lm_loss(model, head, cap, patch, logits, labels, vocab_size, *args, **kwargs)
 
     had_fwd = "forward" in head.__dict__
@@ -277,7 +283,8 @@ def _chunked_causal_lm_loss(
     shift_labels: torch.Tensor | None = None,
     **_: Any,
 ) -> torch.Tensor:
-    """``ForCausalLMLoss`` semantics (label shift, ``ignore_index``, ``num_items_in_batch``, ``shift_labels``)."""
+    """``ForCausalLMLoss`` semantics (label shift, ``ignore_index``, ``num_items_in_batch``, ``shift_labels``); a
+    masked LM's loss passes its labels as ``shift_labels`` (``ForMaskedLMLoss``: no shift)."""
     chain: Chain = logits._chain
     hidden = cap.hidden
     v = chain.vocab_limit or logits.shape[-1]
@@ -437,7 +444,7 @@ def _patched_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         bool(skip_logits) if skip_logits is not None else (self.training and torch.is_grad_enabled())
     )
     if chunked:
-        problem = _loss_not_causal_lm(self)
+        problem = _loss_not_served(self)
         if problem:  # set after patch_model: the model's own loss, on full logits
             if not patch.loss_warned:
                 patch.loss_warned = True
@@ -488,22 +495,28 @@ def validate(model: nn.Module) -> None:
         )
     if "labels" not in inspect.signature(type(model).forward).parameters:
         raise UnsupportedModelError(f"{owner}.forward takes no `labels`; it is not a causal LM with a loss.")
-    problem = _loss_not_causal_lm(model)
+    problem = _loss_not_served(model)
     if problem:
         raise UnsupportedModelError(f"{owner} {problem}. Use patch_model(model, head=False), or compute your loss "
                                     "with memgrad_hf.functional.")
 
 
-def _loss_not_causal_lm(model: nn.Module) -> str:
-    """Why the model's loss is not the causal-LM cross-entropy the chunked head computes (a ``loss_type`` or a
-    ``loss_function`` set on it), or "". Checked when patching and again per chunked forward: one set afterwards
-    must not be bypassed."""
+def _stock_loss(model: nn.Module) -> Any:
+    """The transformers loss function the model's ``loss_type`` names (``ForCausalLMLoss`` when it names none)."""
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
-    loss_type = getattr(model, "loss_type", None)
-    if LOSS_MAPPING.get(loss_type or "ForCausalLM", ForCausalLMLoss) is not ForCausalLMLoss:
-        return (f"uses loss_type={loss_type!r}; memgrad_hf's chunked head reproduces the causal-LM cross-entropy "
-                "(ForCausalLMLoss) only")
+    return LOSS_MAPPING.get(getattr(model, "loss_type", None) or "ForCausalLM", ForCausalLMLoss)
+
+
+def _loss_not_served(model: nn.Module) -> str:
+    """Why the model's loss is not a cross-entropy the chunked head computes (the causal LM's on shifted labels, or
+    the masked LM's on unshifted ones), from a ``loss_type`` or a ``loss_function`` set on it, or "". Checked when
+    patching and again per chunked forward: one set afterwards must not be bypassed."""
+    from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
+
+    if _stock_loss(model) not in (ForCausalLMLoss, ForMaskedLMLoss):
+        return (f"uses loss_type={model.loss_type!r}; memgrad_hf's chunked head reproduces the cross-entropy of causal "
+                "and masked LMs (ForCausalLMLoss, ForMaskedLMLoss) only")
     if "_loss_function" in model.__dict__:
         return "has a custom loss_function set; the chunked head would bypass it"
     return ""

@@ -2,9 +2,10 @@
 
 ``label_smoothing_factor > 0``: stock ``Trainer.compute_loss`` takes the labels out of the batch, asks the model for
 full logits and applies ``LabelSmoother`` to them: the ``[tokens x vocab]`` logits (and their log-softmax) exist
-again. For a ``patch_model``ed causal LM, memgrad keeps the labels in the batch and has the chunked head compute the
-same loss, cross-entropy with label smoothing ε (``LabelSmoother``'s formula is ``F.cross_entropy``'s:
-``(1-ε)·nll + ε·mean_c(-log p_c)``, summed over the valid tokens and divided by ``num_items_in_batch``).
+again. For a ``patch_model``ed causal LM (or masked LM, on its unshifted labels), memgrad keeps the labels in the
+batch and has the chunked head compute the same loss, cross-entropy with label smoothing ε (``LabelSmoother``'s
+formula is ``F.cross_entropy``'s: ``(1-ε)·nll + ε·mean_c(-log p_c)``, summed over the valid tokens and divided by
+``num_items_in_batch``).
 
 ``prediction_loss_only`` evaluation: the logits would be thrown away, so the patched model computes the loss in
 chunks (``skip_logits=True``, as the Trainer already asks Liger's models to) and never builds them.
@@ -26,15 +27,20 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def _patched_causal_lm(trainer: Any, model: nn.Module) -> nn.Module | None:
-    """The head-patched causal LM behind ``model`` when the stock method would smooth shifted labels, else None."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def _patched_lm(trainer: Any, model: nn.Module) -> nn.Module | None:
+    """The head-patched causal or masked LM behind ``model`` (where the stock method smooths shifted labels, or
+    unshifted ones, as the model's own loss takes them), else None."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     from memgrad_hf.patches import _causal_lm
     from memgrad_hf.patches.head import is_head_patched
 
     target = _causal_lm(trainer.accelerator.unwrap_model(model))
-    if not is_head_patched(target) or target._get_name() not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+    names = {*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values(), *MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()}
+    if not is_head_patched(target) or target._get_name() not in names:
         return None
     return target
 
@@ -83,7 +89,7 @@ def hook_trainer_compute_loss() -> None:
         loss_only = not model.training and getattr(self, "_memgrad_loss_only", False)
         target = None
         if (training or loss_only) and "labels" in inputs and self.compute_loss_func is None:
-            target = _patched_causal_lm(self, model)
+            target = _patched_lm(self, model)
         if target is None:
             return original(self, model, inputs, *args, **kwargs)
         if loss_only:

@@ -71,7 +71,10 @@ def test_layers_called_twice_are_updated_once_from_their_summed_gradient(max_gra
     _assert_weights_close(model, ref)
     assert {p for p in (model.emb.weight, model.shared.weight)} <= opt._warned_shared  # out.weight stays fused
     assert model.out.weight not in opt._warned_shared
-    assert "shared.weight is used more than once" in caplog.text
+    # one line per reason, the first weight in full, the others named on one more line at step()
+    warned = [r.getMessage() for r in caplog.records if "more than once" in r.getMessage()]
+    assert len(warned) == 2 and "emb.weight is used more than once" in warned[0], warned
+    assert "as above, 1 more weight is used more than once" in warned[1] and "shared.weight" in warned[1], warned
 
 
 def test_a_linear_output_edited_in_place_trains_as_torch():

@@ -293,23 +293,28 @@ def test_one_dimensional_labels_of_a_single_sequence_as_stock():
         model(input_ids=ids, labels=labels[0, :-2])
 
 
-@pytest.mark.parametrize("change", ["loss_function", "loss_type"])
-def test_a_loss_set_after_patching_is_honoured_with_a_warning(change, caplog):
-    # set after patch_model the model's loss was bypassed: a custom loss gave plain cross-entropy (10.2 vs 4.6)
+@pytest.mark.parametrize("change", ["loss_function", "loss_type", "masked_lm_loss_type"])
+def test_a_loss_set_after_patching_is_honoured_with_a_warning(change, caplog, monkeypatch):
+    # set after patch_model the model's loss was bypassed: a custom loss gave plain cross-entropy (10.2 vs 4.6). A
+    # loss the chunked head serves (the masked LM's, on unshifted labels) is served, without a warning.
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    monkeypatch.setitem(LOSS_MAPPING, "ForTest", lambda logits, labels, vocab_size, **kw: logits.square().mean())
     model, ref = _pair()
     memgrad_hf.patch_model(model)
     for m in (model, ref):
         if change == "loss_function":
             m.loss_function = lambda logits, labels, vocab_size, **kw: 2 * logits.float().logsumexp(-1).mean()
         else:
-            m.loss_type = "ForMaskedLM"
+            m.loss_type = "ForTest" if change == "loss_type" else "ForMaskedLM"
     ids, labels = _batch()
     with caplog.at_level(logging.WARNING, logger="memgrad_hf.patches.head"):
         ref_out, ref_g = _loss_and_grads(ref, ids, labels)
         out, g = _loss_and_grads(model, ids, labels)
         _loss_and_grads(model, ids, labels)
     _assert_same(out, g, ref_out, ref_g)
-    assert caplog.text.count("set after patch_model") == 1
+    assert caplog.text.count("set after patch_model") == (change != "masked_lm_loss_type")
+    assert (out.logits is None) == (change == "masked_lm_loss_type")
 
 
 def test_unknown_logit_rewrite_is_refused_not_silently_dropped():

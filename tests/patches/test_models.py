@@ -153,3 +153,39 @@ def test_seq2seq_for_conditional_generation_matches_unpatched(name):
     out, grads = _loss_and_grads(model, ids, labels)
     _assert_same(out, grads, ref_out, ref_grads)
     assert out.logits is None
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta", "distilbert", "modernbert", "modernbert_sparse"])
+def test_masked_lm_matches_unpatched(name):
+    # loss_type ForMaskedLM (unshifted labels; was refused) and BERT's own CrossEntropyLoss; modernbert's
+    # sparse_prediction gathers the masked positions' hidden states itself, before its head
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                  max_position_embeddings=64, pad_token_id=0)
+    if name == "distilbert":
+        config = transformers.DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                               max_position_embeddings=64, pad_token_id=0)
+    elif name.startswith("modernbert"):
+        config = transformers.ModernBertConfig(**common, global_attn_every_n_layers=2, local_attention=8,
+                                               sparse_prediction=name.endswith("sparse"))
+    else:
+        config = getattr(transformers, f"{name.capitalize() if name == 'bert' else 'Roberta'}Config")(**common)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForMaskedLM.from_config(config).train()
+    ref = copy.deepcopy(model)
+    memgrad_hf.patch_model(model, chunk_size=4)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=gen)
+    labels = torch.full_like(ids, -100)  # a masked-LM batch: targets at a few positions only
+    where = torch.rand(ids.shape, generator=gen) < 0.3
+    where[0, 1] = True
+    labels[where] = torch.randint(3, VOCAB, ids.shape, generator=gen)[where]
+    ref_out, ref_grads = _loss_and_grads(ref, ids, labels)
+    out, grads = _loss_and_grads(model, ids, labels)
+    _assert_same(out, grads, ref_out, ref_grads)
+    assert out.logits is None
+    model.eval()  # evaluation and inference: the stock logits
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
