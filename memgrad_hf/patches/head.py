@@ -286,7 +286,7 @@ def _chunked_causal_lm_loss(
     """``ForCausalLMLoss`` semantics (label shift, ``ignore_index``, ``num_items_in_batch``, ``shift_labels``); a
     masked LM's loss passes its labels as ``shift_labels`` (``ForMaskedLMLoss``: no shift)."""
     chain: Chain = logits._chain
-    hidden = cap.hidden
+    hidden = chain.rows(cap.hidden)
     v = chain.vocab_limit or logits.shape[-1]
     if vocab_size is not None and vocab_size != v:
         raise UnsupportedModelError(
@@ -397,7 +397,7 @@ def _chunked_own_cross_entropy(
             "smooths the logits against shifted labels; memgrad_hf cannot reproduce that combination. Drop label "
             "smoothing or use patch_model(model, head=False)."
         )
-    hidden = cap.hidden
+    hidden = logits._chain.rows(cap.hidden)  # the positions of these logits (a model may select some itself)
     if logits.shape[:-1].numel() != hidden.shape[:-1].numel() or target.numel() != hidden.shape[:-1].numel():
         raise UnsupportedModelError(
             f"{cap.owner} applies cross_entropy to logits of shape {tuple(logits.shape)} with targets of shape "

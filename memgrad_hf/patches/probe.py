@@ -3,7 +3,10 @@
 While a patched model runs a training forward, its output-embedding module returns a :class:`LogitsProbe`
 instead of computing ``[tokens x vocab]`` logits. The probe holds no data; every op the model applies to it
 (softcapping, logit scales, a vocab slice, a dtype cast) is parsed into an :class:`~memgrad_hf.kernels.head.
-Epilogue` that the chunked head then applies per chunk. Any op outside that small algebra raises
+Epilogue` that the chunked head then applies per chunk. Ops that only pick or arrange token positions (a slice or
+select on a token axis, a boolean or integer index of the positions, a reshape that keeps the vocab axis: e.g.
+``logits[..., :-1, :][attention_mask != 0]`` before the model's own cross-entropy) are replayed on the hidden states
+instead (:meth:`Chain.rows`). Any op outside that small algebra raises
 :class:`~memgrad_hf.errors.UnsupportedModelError` at once, naming the op: a model is never silently computed
 differently from what its own code says.
 """
@@ -44,6 +47,18 @@ class Chain:
     post: float = 1.0
     vocab_limit: int | None = None
     column_ops: tuple[tuple[str, torch.Tensor], ...] = field(default=(), compare=False)
+    # (aten op, its arguments after the logits) for each op on the token axes, in order: see rows()
+    row_ops: tuple[tuple[Any, tuple, dict], ...] = field(default=(), compare=False)
+
+    def rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` (``[..., H]``, what the head received) with the forward's token-axis ops on the logits
+        (``[..., V]``) replayed, so that its rows are the positions of these logits, in their order."""
+        for func, args, kwargs in self.row_ops:
+            if func in _VIEWS:
+                hidden = hidden.reshape(*list(args[0])[:-1], hidden.shape[-1])
+            else:
+                hidden = func(hidden, *args, **kwargs)
+        return hidden
 
     def epilogue(self) -> Epilogue:
         if self.tanh:
@@ -102,6 +117,10 @@ class LogitsProbe(torch.Tensor):
         probes = [a for a in args if isinstance(a, LogitsProbe)]
         src = probes[0]
         chain = _parse(func, args, kwargs, src)
+        if func is aten.index.Tensor:  # how many positions a mask keeps depends on its data: ask a [..., 1] stand-in
+            stand_in = torch.zeros((*src.shape[:-1], 1), device=src.device)
+            shape = (*func(stand_in, *args[1:], **kwargs).shape[:-1], src.shape[-1])
+            return LogitsProbe(torch.Size(shape), src.dtype, src.device, chain, src._owner, src._cross_entropy)
         meta = tree_map(
             lambda a: torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
             if isinstance(a, torch.Tensor) else a,
@@ -117,7 +136,7 @@ def _unsupported(owner: str, func: Any) -> str:
     return (
         f"{owner}.forward applies `{func}` to the logits after the LM head; memgrad_hf's chunked head models "
         "only logit scales/multipliers (scalars, or one per word before any softcap), per-word biases, final-logit "
-        "softcapping, dtype casts and a vocab slice, so it cannot "
+        "softcapping, dtype casts, a vocab slice and selections of token positions, so it cannot "
         "reproduce this model's loss exactly. Use patch_model(model, head=False), or open an issue with the "
         "model class."
     )
@@ -145,14 +164,27 @@ def _parse(func: Any, args: tuple, kwargs: dict, src: LogitsProbe) -> Chain:
     if func is aten.tanh.default and not chain.tanh and chain.vocab_limit is None:
         return replace(chain, tanh=True)
     if func in _VIEWS and args[1] and int(list(args[1])[-1]) == src.shape[-1]:
-        # reshapes that keep the vocab axis (e.g. logits.view(-1, V)) do not change the math
-        return chain
+        # reshapes that keep the vocab axis (e.g. logits.view(-1, V)) arrange the positions only
+        return _on_rows(chain, func, args, kwargs)
+    last = src.dim() - 1
     if func is aten.slice.Tensor:
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         start = args[2] if len(args) > 2 else kwargs.get("start", None)
         end = args[3] if len(args) > 3 else kwargs.get("end", None)
         step = args[4] if len(args) > 4 else kwargs.get("step", 1)
-        if dim in (-1, src.dim() - 1) and (start in (None, 0)) and step == 1:
+        if dim % src.dim() != last:  # positions (logits[..., :-1, :])
+            return _on_rows(chain, func, args, kwargs)
+        if (start in (None, 0)) and step == 1:
             limit = src.shape[-1] if end is None else min(int(end), src.shape[-1])
             return replace(chain, vocab_limit=limit)
+    if func is aten.select.int and src.dim() > 1 and args[1] % src.dim() != last:
+        return _on_rows(chain, func, args, kwargs)
+    if func is aten.index.Tensor and args[0] is src and len(args[1]) <= last and not any(
+            isinstance(i, LogitsProbe) for i in args[1]):  # positions by mask or index, the vocab axis whole
+        return _on_rows(chain, func, args, kwargs)
     raise UnsupportedModelError(_unsupported(src._owner, func))
+
+
+def _on_rows(chain: Chain, func: Any, args: tuple, kwargs: dict) -> Chain:
+    """``chain`` with a token-axis op of the logits appended, to be replayed on the hidden states."""
+    return replace(chain, row_ops=(*chain.row_ops, (func, tuple(args[1:]), dict(kwargs))))

@@ -334,6 +334,65 @@ def test_unknown_logit_rewrite_is_refused_not_silently_dropped():
         model(input_ids=ids, labels=labels)
 
 
+def _own_loss_model(select: str):
+    """A causal LM computing its own cross-entropy on positions it picks from the logits (as qwen2_audio and
+    granite_speech do with their attention mask), per ``select``."""
+    from transformers import LlamaForCausalLM
+
+    class OwnSelection(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+            logits = self.lm_head(self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state)
+            if select == "mask":  # qwen2_audio's loss
+                keep = attention_mask[..., 1:] != 0
+                logits, labels = logits[..., :-1, :][keep].contiguous(), labels[..., 1:][keep]
+            elif select == "index":  # positions by integer index, along the tokens
+                at = torch.tensor([4, 0, 2, 2])
+                logits, labels = logits[:, at], labels[:, at + 1]
+            elif select == "last":  # one position per row
+                logits, labels = logits[:, -2], labels[:, -1]
+            elif select == "flip":  # not a selection: refused
+                logits, labels = logits.flip(1), labels
+            elif select == "vocab_index":  # picks vocabulary entries: refused
+                logits = logits[..., torch.arange(0, VOCAB, 2)]
+                labels = labels.clamp(max=0) + labels // 2
+            loss = nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            return {"loss": loss, "logits": logits}
+
+    return OwnSelection(tiny_model("llama").config).train()
+
+
+@pytest.mark.parametrize("select", ["mask", "index", "last"])
+def test_positions_a_model_selects_from_its_logits_are_taken_from_the_hidden_states(select):
+    # was refused (`aten.slice.Tensor` on the token axis): qwen2_audio and granite_speech (the seq2seq sweep)
+    model = _own_loss_model(select)
+    ref = copy.deepcopy(model)
+    memgrad_hf.patch_model(model, chunk_size=3)
+    ids, labels = _batch(3, 9)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    mask[2, :2] = 0
+    outs = []
+    for m in (ref, model):
+        m.zero_grad(set_to_none=True)
+        loss = m(input_ids=ids, attention_mask=mask, labels=labels)["loss"]
+        loss.backward()
+        outs.append((loss, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (ref_loss, ref_g), (loss, g) = outs
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert g.keys() == ref_g.keys()
+    for n, grad in g.items():
+        assert (grad - ref_g[n]).abs().max() <= 1e-5 * ref_g[n].abs().max() + 1e-7, n
+
+
+@pytest.mark.parametrize("select,op", [("flip", "flip"), ("vocab_index", "index")])
+def test_logit_ops_that_are_not_position_selections_are_refused(select, op):
+    model = _own_loss_model(select)
+    memgrad_hf.patch_model(model)
+    ids, labels = _batch()
+    with pytest.raises(UnsupportedModelError, match=op):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+
+
 def test_bad_arguments_raise_value_error():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="Titans"):
