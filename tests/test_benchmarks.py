@@ -89,6 +89,18 @@ def test_bench_evaluate_runs_through_the_cli(capsys):
     assert len(rows) == 2 and abs(float(rows["stock"]) - float(rows["patched"])) < 1e-5, out  # same eval_loss
 
 
+def test_bench_masked_lm_runs_through_the_cli(capsys):
+    rc = cli.main(["bench", "masked_lm", "--vocab", "512", "--hidden", "64", "--seq", "32", "--batch", "2",
+                   "--repeats", "1", "--peers", "stock", "patched"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in out.splitlines()
+            if line.startswith(("| stock |", "| patched |"))}
+    assert len(rows) == 2 and rows["stock"].count(",") == 1, out  # two steps' losses
+    stock, patched = ([float(v) for v in rows[k].split(",")] for k in ("stock", "patched"))
+    assert patched == pytest.approx(stock, rel=1e-5), out
+
+
 def test_bench_forge_host_runs_through_the_cli(capsys):
     rc = cli.main(["bench", "forge_host", "--layers", "4", "--steps", "2", "--repeats", "1"])
     out = capsys.readouterr().out
