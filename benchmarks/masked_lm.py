@@ -22,7 +22,7 @@ PEERS = ("stock", "patched", "patched+forge")
 
 
 def setup(device: str, impl: str, vocab: int, hidden: int, layers: int, batch: int, seq: int, steps: int,
-          mask_rate: float) -> dict:
+          mask_rate: float, bf16: bool = False) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import ModernBertConfig, ModernBertForMaskedLM, TrainingArguments
     from transformers.utils import logging as hf_logging
@@ -44,7 +44,7 @@ def setup(device: str, impl: str, vocab: int, hidden: int, layers: int, batch: i
     args = TrainingArguments(output_dir="/tmp/memgrad_bench_masked_lm", per_device_train_batch_size=batch,
                              max_steps=steps, learning_rate=1e-4, logging_steps=1, save_strategy="no",
                              report_to="none", use_cpu=not device.startswith("cuda"), disable_tqdm=True, seed=0,
-                             data_seed=0, optim="forge_adamw" if impl.endswith("forge") else "adamw_torch")
+                             data_seed=0, optim="forge_adamw" if impl.endswith("forge") else "adamw_torch", bf16=bf16)
     return {"model": model, "args": args, "data": data, "losses": []}
 
 
@@ -68,20 +68,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2, help="Trainer steps per run")
     p.add_argument("--mask-rate", type=float, default=0.3, help="share of positions that are targets")
     p.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    p.add_argument("--bf16", action="store_true", help="Trainer's bf16 mixed precision (fp32 weights)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(f"# Trainer.train(), masked LM (ModernBERT-style): {a.steps} steps of {a.batch} x {a.seq} tokens, "
-          f"{a.mask_rate:.0%} targets, vocab {a.vocab}, hidden {a.hidden}, {a.layers} layers, fp32, {a.device}\n"
+          f"{a.mask_rate:.0%} targets, vocab {a.vocab}, hidden {a.hidden}, {a.layers} layers, "
+          f"{'bf16 autocast' if a.bf16 else 'fp32'}, {a.device}\n"
           f"# {machine(a.device)}; {versions()}\n")
     kw = dict(vocab=a.vocab, hidden=a.hidden, layers=a.layers, batch=a.batch, seq=a.seq, steps=a.steps,
-              mask_rate=a.mask_rate)
+              mask_rate=a.mask_rate, bf16=a.bf16)
     cases = [Case(peer, setup, run, dict(impl=peer, **kw)) for peer in a.peers]
     mem = {c.name: peak_added_mib(c, a.device, a.threads) for c in cases}
     states: dict = {}
-    times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=0, states_out=states)
+    # (on a GPU a first, untimed run takes the one-time costs: kernel compilation, cuBLAS workspaces)
+    times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=int(a.device.startswith("cuda")),
+                             states_out=states)
     ref = a.peers[0]
     print(f"| peer | peak added (MiB) | vs {ref} | train() min / median (s) | vs {ref} | losses |\n"
           "|---|---:|---:|---:|---:|---|")

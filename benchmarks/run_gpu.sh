@@ -2,6 +2,7 @@
 # Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
 #   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
 #   [evaluate] [head-profile] [forge-host] [forge-7b] [forge-compile] [demo] [titans-d128] [head-128k] [launch]
+#   [masked-lm]
 #   (default: the first seven)
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
 # (2026-11-22/23): checks ~4 min (first call, with the machine's start), head ~2.5 min per vocabulary (10 repeats;
@@ -89,6 +90,9 @@ for part in $parts; do
     demo)  # the user's view: HF Trainer end to end, stock vs patch_model vs + forge_adamw, Llama-3-sized vocabulary
       python -m memgrad_hf.cli demo --bf16 --vocab 128256 --hidden 2048 --layers 4 --batch 4 --seq 1024 --steps 10 2>&1 \
         | tee "$out/demo.md" ;;
+    masked-lm)  # ModernBERT-base-shaped masked LM (768 x 22 layers, vocab 50368), Trainer, bf16 autocast, 30% targets
+      python -m benchmarks.masked_lm --device cuda --bf16 --hidden 768 --layers 22 --batch 16 --seq 1024 --steps 3 \
+        --repeats 3 2>&1 | tee "$out/masked-lm.md" ;;
     evaluate) python -m benchmarks.evaluate --device cuda --vocab 128256 --hidden 1024 --seq 1024 --rows 32 \
         --repeats 5 2>&1 | tee "$out/evaluate.md" ;;
     *) echo "unknown part $part"; status=1 ;;

@@ -484,17 +484,18 @@ def validate(model: nn.Module) -> None:
     except ImportError as e:  # pragma: no cover - transformers is a dependency
         raise UnsupportedModelError("transformers is required to patch a model") from e
     if not isinstance(model, PreTrainedModel):
-        raise UnsupportedModelError(f"{owner} is not a transformers PreTrainedModel; pass a *ForCausalLM model.")
+        raise UnsupportedModelError(f"{owner} is not a transformers PreTrainedModel; pass a *ForCausalLM (or "
+                                    "*ForMaskedLM) model.")
     head = model.get_output_embeddings()
     if head is None:
         raise UnsupportedModelError(
             f"{owner} has no output embeddings (get_output_embeddings() is None), so no LM head to chunk: pass the "
-            "*ForCausalLM model, not the bare backbone. A model with a scoring head (a reward model, "
+            "*ForCausalLM (or *ForMaskedLM) model, not the bare backbone. A model with a scoring head (a reward model, "
             "*ForSequenceClassification) builds no [tokens x vocab] logits; patch_model(model, head=False) still "
             "adds Titans memory to it."
         )
     if "labels" not in inspect.signature(type(model).forward).parameters:
-        raise UnsupportedModelError(f"{owner}.forward takes no `labels`; it is not a causal LM with a loss.")
+        raise UnsupportedModelError(f"{owner}.forward takes no `labels`; it is not a causal or masked LM with a loss.")
     problem = _loss_not_served(model)
     if problem:
         raise UnsupportedModelError(f"{owner} {problem}. Use patch_model(model, head=False), or compute your loss "
