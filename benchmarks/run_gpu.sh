@@ -2,7 +2,14 @@
 # Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
 #   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
 #   [evaluate] [head-profile] [forge-host] [forge-7b] [forge-compile] [demo] [titans-d128] [head-128k] [launch]
-#   [masked-lm]
+#   [masked-lm] [priority]
+# Since 2026-11-27 a session lent a GPU has 15 minutes of device time in all, the machine's start included: one call.
+# Prepare here: `bash benchmarks/gpu_wheels.sh` (the packages the image lacks, ~17 MB in .whl/), then one device call
+# with carry [".whl"], timeout_s 570:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+#     .whl/*.whl && export PYTHONPATH=/tmp/site || exit; bash benchmarks/run_gpu.sh $OUT priority
+# `priority` runs the compiled-kernel checks and the three open targets (GRPO vs TRL, FORGE at ~1B batch 1, the Titans
+# D=128 kernel and the layer vs titans-pytorch); the notes below list what else is queued, by value.
 #   (default: the first seven)
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
 # (2026-11-22/23): checks ~4 min (first call, with the machine's start), head ~2.5 min per vocabulary (10 repeats;
@@ -23,7 +30,7 @@
 # ~1B step times (last 1.22x adamw_torch_fused for forge_lion) should move by it. Since 2026-11-25 (fifth session)
 # the fused linear kernel applies the clip coefficient to the formed dW tile (G_LOWP by the weight's dtype) instead
 # of a host-side dY * coef: `checks` compares it compiled with the twin (interpreter-checked only so far).
-set -u
+set -u -o pipefail
 out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [checks titans titans-layer head grpo forge forge-profile]}
 shift
 parts=${*:-checks titans titans-layer head grpo forge forge-profile}
@@ -33,11 +40,24 @@ status=0
 for part in $parts; do
   echo "=== $part $(date -u +%H:%M:%S)"
   case $part in
-    checks)
-      { python tests/optim/_triton_twin_check.py cuda || status=1
-        python tests/titans/_triton_twin_check.py cuda || status=1
-        python tests/_head_triton_check.py cuda || status=1
-        python tests/gpu_checks.py || status=1; } 2>&1 | tee "$out/checks.md" ;;
+    checks)  # (a brace group in a pipeline runs in a subshell: its failures reach `status` through its exit code)
+      { rc=0
+        python tests/optim/_triton_twin_check.py cuda || rc=1
+        python tests/titans/_triton_twin_check.py cuda || rc=1
+        python tests/_head_triton_check.py cuda || rc=1
+        python tests/gpu_checks.py || rc=1; exit $rc; } 2>&1 | tee "$out/checks.md" || status=1 ;;
+    priority)  # issues 3-5's open GPU targets and the compiled-kernel checks, sized for one call (< 9 minutes)
+      { rc=0
+        python tests/optim/_triton_twin_check.py cuda || rc=1
+        python tests/titans/_triton_twin_check.py cuda || rc=1
+        python tests/_head_triton_check.py cuda || rc=1; exit $rc; } 2>&1 | tee "$out/checks.md" || status=1
+      python -m benchmarks.grpo --device cuda --repeats 10 --peers trl memgrad 2>&1 | tee "$out/grpo.md"
+      python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
+        --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion forge_adamw+bf16_state \
+        forge_adamw+8bit_state+head 2>&1 | tee "$out/forge.md"
+      python -m benchmarks.titans --device cuda --repeats 10 --layers --kernel-shapes 8x128x128x512 2>&1 \
+        | tee "$out/titans-d128.md"
+      python -m benchmarks.titans --device cuda --repeats 5 --kernel-shapes 2>&1 | tee "$out/titans-layer.md" ;;
     titans) python -m benchmarks.titans --device cuda --repeats 10 --layers 2>&1 | tee "$out/titans.md" ;;
     titans-layer) python -m benchmarks.titans --device cuda --repeats 5 --kernel-shapes 2>&1 \
       | tee "$out/titans-layer.md" ;;
