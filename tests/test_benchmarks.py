@@ -38,15 +38,16 @@ def test_bench_compat_reports_exact_for_known_families(capsys):
     assert rc == 0, out
     assert "| llama | exact |" in out and "| gemma2 | exact |" in out
     assert "| bart | exact |" in out  # computes nn.CrossEntropyLoss on its own logits: the chunked loss serves it
-    assert "| prophetnet | unsupported |" in out  # selects from its logits: refused, never silently wrong
+    assert "| prophetnet | unsupported |" in out  # transposes its logits for its own loss: refused, not wrong
 
 
 def test_bench_compat_logprobs_checks_the_fused_head(capsys, monkeypatch):
-    # big_bird changes its attention type on its first call: the reference must be a first call too
+    # big_bird changes its attention type on its first call: the reference must be a first call too; prophetnet
+    # returns the first of its n-gram streams as its logits (a select on the probe: the hidden states are selected so)
     rc = cli.main(["bench", "compat", "--logprobs", "llama", "big_bird", "prophetnet"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "| llama | exact |" in out and "| big_bird | exact |" in out and "| prophetnet | unsupported |" in out
+    assert "| llama | exact |" in out and "| big_bird | exact |" in out and "| prophetnet | exact |" in out
     # the check can fail: a fused head at another temperature than the reference's is a mismatch
     import functools
 

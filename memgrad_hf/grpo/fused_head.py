@@ -89,7 +89,7 @@ def add_fused_lm_head(
                 f"{cap.owner}.forward did not return its LM head's output as logits; memgrad_hf's fused head needs "
                 "the standard causal-LM forward. Use TRL's own fused head for this model."
             )
-        hidden = cap.hidden
+        hidden = probe._chain.rows(cap.hidden)  # the positions of the returned logits (prophetnet: its first stream)
         if shift_labels is None:
             hidden, targets = hidden[:, :-1], labels[:, 1:]
         else:
