@@ -494,6 +494,11 @@ def validate(model: nn.Module) -> None:
             "*ForSequenceClassification) builds no [tokens x vocab] logits; patch_model(model, head=False) still "
             "adds Titans memory to it."
         )
+    if isinstance(head, nn.Embedding):  # (fsmt: its decoder's input embedding, the logits made by another module)
+        raise UnsupportedModelError(
+            f"{owner}.get_output_embeddings() returns an nn.Embedding, not the module that computes the logits: "
+            "memgrad_hf cannot find its LM head. Use patch_model(model, head=False)."
+        )
     if "labels" not in inspect.signature(type(model).forward).parameters:
         raise UnsupportedModelError(f"{owner}.forward takes no `labels`; it is not a causal or masked LM with a loss.")
     problem = _loss_not_served(model)

@@ -393,6 +393,21 @@ def test_logit_ops_that_are_not_position_selections_are_refused(select, op):
         model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
 
 
+def test_an_input_embedding_given_as_the_output_embeddings_is_refused_by_name():
+    # fsmt's get_output_embeddings() is its decoder's nn.Embedding (the logits come from another module): the probe
+    # used to replace the input embedding's output and fail later on an unrelated op (`aten.add_`)
+    from transformers import LlamaForCausalLM
+
+    class EmbeddingAsHead(LlamaForCausalLM):
+        def get_output_embeddings(self):
+            return self.model.embed_tokens
+
+    model = EmbeddingAsHead(tiny_model("llama").config)
+    with pytest.raises(UnsupportedModelError, match=r"EmbeddingAsHead.get_output_embeddings\(\) returns an nn.Embed"):
+        memgrad_hf.patch_model(model)
+    memgrad_hf.patch_model(model, head=False)  # the rest of memgrad still applies
+
+
 def test_bad_arguments_raise_value_error():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="Titans"):
