@@ -404,9 +404,12 @@ def _chunked_own_cross_entropy(
             f"{tuple(target.shape)}; memgrad_hf needs one target per position the LM head saw "
             f"({tuple(hidden.shape[:-1])})."
         )
-    return _chunked_cross_entropy(head, cap, patch, logits._chain, hidden.reshape(-1, hidden.shape[-1]),
+    loss = _chunked_cross_entropy(head, cap, patch, logits._chain, hidden.reshape(-1, hidden.shape[-1]),
                                   target.reshape(-1).to(hidden.device), ignore_index=ignore_index,
                                   label_smoothing=label_smoothing, reduction=reduction)
+    # F.cross_entropy returns the logits' dtype (a bf16 model's own loss is bf16: computed in fp32 here, then
+    # rounded), except under autocast, whose policy runs it in fp32
+    return loss.to(torch.float32 if torch.is_autocast_enabled(hidden.device.type) else logits.dtype)
 
 
 def head_weight_consumer(patch: HeadPatch, head: nn.Module, weight: torch.Tensor, bias: Any) -> Any:

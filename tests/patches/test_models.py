@@ -91,6 +91,28 @@ def test_own_cross_entropy_refuses_what_it_cannot_reproduce():
         model(input_ids=ids, labels=ids)
 
 
+@pytest.mark.parametrize("family,autocast", [("bart", False), ("bart", True), ("llama", False)])
+def test_a_bf16_models_loss_has_stock_dtype(family, autocast):
+    # bart's decoder applies nn.CrossEntropyLoss to its bf16 logits: stock's loss is bf16 (the chunked loss was fp32),
+    # or fp32 under autocast (its policy for cross_entropy); llama's ForCausalLMLoss upcasts the logits: fp32
+    import contextlib
+
+    model = tiny_model(family).to(torch.float32 if autocast else torch.bfloat16).train()
+    ref = copy.deepcopy(model)
+    memgrad_hf.patch_model(model, chunk_size=4)
+    ids = torch.randint(1, VOCAB, (2, 9))
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with ctx:
+        torch.manual_seed(1)
+        want = ref(input_ids=ids, labels=ids).loss
+        torch.manual_seed(1)
+        got = model(input_ids=ids, labels=ids).loss
+    got.backward()
+    assert got.dtype == want.dtype == (torch.bfloat16 if family == "bart" and not autocast else torch.float32)
+    # stock's bf16 log-softmax is itself off by up to ~1% here; the chunked loss is computed in fp32, then rounded
+    assert got.float().item() == pytest.approx(want.float().item(), rel=2e-2)
+
+
 @pytest.mark.parametrize("family,bias,post", [
     ("llama", False, None), ("llama", True, None), ("gemma2", False, None),
     ("llama", False, lambda head, z: z * head.word_scale),  # a second scale, the bare Parameter as operand
