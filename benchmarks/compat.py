@@ -282,15 +282,20 @@ VISION_FAMILY: dict[str, dict[str, Any]] = {
 }
 
 
-def check(family: str, vision: bool = False, logprobs: bool = False, task: str = "causal-lm") -> tuple[str, str]:
+def check(family: str, vision: bool = False, logprobs: bool = False, task: str = "causal-lm",
+          bf16: bool = False) -> tuple[str, str]:
     """Text-only training forward of the tiny model, patched vs unpatched (``vision``: an image-text-to-text
     model type; ``task``: the model class, :data:`TASKS`). ``logprobs``: TRL's fused-head contract instead
     (:func:`memgrad_hf.grpo.add_fused_lm_head`): per-token log-probs and every gradient of their sum against
-    ``log_softmax`` of the model's own logits."""
+    ``log_softmax`` of the model's own logits. ``bf16``: both models in bf16; "close" then means the loss in stock's
+    dtype and within 2% of it (stock's own bf16 log-softmax is that far off), and the gradients, all parameters
+    together, at cosine similarity >= 0.999."""
     import memgrad_hf
 
     try:
         model = _tiny_vision(family) if vision else _tiny(family, task)
+        if bf16:
+            model = model.to(torch.bfloat16)
     except Exception as e:
         return "untested", f"tiny config: {_why(e, 90)}"
     try:
@@ -334,6 +339,15 @@ def check(family: str, vision: bool = False, logprobs: bool = False, task: str =
     except Exception as e:
         return "ERROR", f"{type(e).__name__}: {str(e)[:100]}"
     pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True) if q.grad is not None]
+    if bf16 and not logprobs:
+        if any(p is None for p, _ in pairs):
+            return "MISMATCH", "a parameter got no gradient"
+        g, g_ref = (torch.cat([t.float().flatten() for t in ts]) for ts in zip(*pairs, strict=True))
+        cos = torch.nn.functional.cosine_similarity(g, g_ref, dim=0).item()
+        rel = abs(o.loss.float().item() - r.loss.float().item()) / abs(r.loss.float().item())
+        ok = o.loss.dtype == r.loss.dtype and rel <= 2e-2 and cos >= 0.999
+        return ("close" if ok else "MISMATCH"), (f"{type(model).__name__} (loss {o.loss.dtype} vs stock's "
+                                                 f"{r.loss.dtype}, {rel:.0e} apart; gradient cosine {cos:.5f})")
     scale = max(q.abs().max().item() for _, q in pairs)
     if logprobs:
         same_loss = (lp.detach() - ref_lp.detach()).abs().max().item() <= 1e-5 * ref_lp.detach().abs().max().item()
@@ -377,9 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", choices=sorted(TASKS), default="causal-lm",
                    help="the model class swept (default causal-lm): seq2seq (encoder-decoders), masked-lm, seq-cls "
                         "(sequence classification: --forge only, it has no LM head)")
+    p.add_argument("--bf16", action="store_true",
+                   help="the head check with both models in bf16 (close: the loss in stock's dtype, within 2%%; the "
+                        "gradients at cosine >= 0.999)")
     p.add_argument("--titans", action="store_true",
                    help="check Titans injection instead: step-0 identity, memory gradients, cached == uncached")
     a = p.parse_args(argv)
+    if a.bf16 and (a.logprobs or a.titans or a.forge):
+        p.error("--bf16 is a head check: without --logprobs, --titans or --forge")
     if a.task != "causal-lm" and (a.vision or a.logprobs or a.titans or (a.task == "seq-cls" and not a.forge)):
         p.error(f"--task {a.task} is swept by the head check or --forge (--forge only for seq-cls), without --vision, "
                 "--logprobs or --titans")
@@ -427,7 +446,7 @@ def _sweep(a: argparse.Namespace) -> int:
                 results[fam] = check_forge(fam, a.vision, checkpointing=a.checkpointing, logprobs=a.logprobs,
                                            lora=a.lora, task=a.task)
             else:
-                results[fam] = check(fam, a.vision, a.logprobs, a.task)
+                results[fam] = check(fam, a.vision, a.logprobs, a.task, a.bf16)
         except _Timeout:
             results[fam] = ("untested", f"over {a.timeout}s")
         finally:

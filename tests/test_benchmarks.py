@@ -41,6 +41,15 @@ def test_bench_compat_reports_exact_for_known_families(capsys):
     assert "| prophetnet | unsupported |" in out  # transposes its logits for its own loss: refused, not wrong
 
 
+def test_bench_compat_bf16_compares_in_the_models_dtype(capsys):
+    # bart's decoder computes its own cross-entropy on bf16 logits: the loss must come back in bf16, as stock's does
+    rc = cli.main(["bench", "compat", "--bf16", "llama", "bart"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| llama | close | LlamaForCausalLM (loss torch.float32 vs stock's torch.float32" in out
+    assert "| bart | close | BartForCausalLM (loss torch.bfloat16 vs stock's torch.bfloat16" in out
+
+
 def test_bench_compat_logprobs_checks_the_fused_head(capsys, monkeypatch):
     # big_bird changes its attention type on its first call: the reference must be a first call too; prophetnet
     # returns the first of its n-gram streams as its logits (a select on the probe: the hidden states are selected so)
