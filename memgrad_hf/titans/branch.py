@@ -40,5 +40,10 @@ class GatedMemoryBranch(nn.Module):
 
     def forward(self, x: Tensor, state: NeuralMemState | None = None, mask: Tensor | None = None,
                 ) -> tuple[Tensor, NeuralMemState]:
-        retrieved, state = self.memory(x, state, mask)
-        return torch.sigmoid(self.gate(x)) * self.out(retrieved), state
+        h = x
+        if x.dtype != self.gate.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            # a residual stream kept in another dtype than the weights (mamba's residual_in_fp32 in a bf16 model):
+            # the branch runs in its parameters' dtype and hands its delta back in the stream's
+            h = x.to(self.gate.weight.dtype)
+        retrieved, state = self.memory(h, state, mask)
+        return (torch.sigmoid(self.gate(h)) * self.out(retrieved)).to(x.dtype), state

@@ -504,6 +504,25 @@ def test_models_whose_cache_counts_no_tokens_train_and_generate_uncached(family)
         model.generate(ids, **kw)
 
 
+def test_a_bf16_model_with_an_fp32_residual_stream_trains_with_the_memory():
+    # mamba keeps its residual stream in fp32 (residual_in_fp32) in a bf16 model: the memory's bf16 projections got
+    # fp32 input ("expected m1 and m2 to have the same dtype"); found by a bf16 sweep (also falcon_mamba, mamba2, zaya)
+    from transformers import MambaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                         state_size=4, residual_in_fp32=True)).to(torch.bfloat16)
+    ids = _ids(n=9)
+    ref = model(ids, labels=ids, use_cache=False).loss
+    memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[-1], **CFG))
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    assert torch.equal(out.loss, ref)  # step 0: the original model, bit for bit
+    branch = titans_branches(model)[1]
+    assert branch.out.weight.dtype == torch.bfloat16 and branch.out.weight.grad.abs().sum() > 0
+    assert all(torch.isfinite(p.grad).all() for p in branch.parameters() if p.grad is not None)
+
+
 def test_left_padded_training_batches_are_warned_about_once(caplog):
     import logging
 
