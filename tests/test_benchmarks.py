@@ -165,6 +165,14 @@ def test_bench_compat_titans_checks_the_injection(capsys):
     assert "| mamba | exact, uncached |" in out and "holds no attention layer" in out  # refused cached, by name
 
 
+def test_bench_compat_titans_in_bf16(capsys):
+    # mamba keeps an fp32 residual stream in a bf16 model: the memory branch runs in its own dtype
+    rc = cli.main(["bench", "compat", "--titans", "--bf16", "llama", "mamba"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| llama | close |" in out and "| mamba | close, uncached |" in out
+
+
 def test_bench_compat_forge_steps_like_torch_adamw(capsys, monkeypatch):
     rc = cli.main(["bench", "compat", "--forge", "llama", "roc_bert"])
     out = capsys.readouterr().out
