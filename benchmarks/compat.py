@@ -342,8 +342,7 @@ def check(family: str, vision: bool = False, logprobs: bool = False, task: str =
     if bf16 and not logprobs:
         if any(p is None for p, _ in pairs):
             return "MISMATCH", "a parameter got no gradient"
-        g, g_ref = (torch.cat([t.float().flatten() for t in ts]) for ts in zip(*pairs, strict=True))
-        cos = torch.nn.functional.cosine_similarity(g, g_ref, dim=0).item()
+        cos = _grad_cosine(*zip(*pairs, strict=True))
         rel = abs(o.loss.float().item() - r.loss.float().item()) / abs(r.loss.float().item())
         ok = o.loss.dtype == r.loss.dtype and rel <= 2e-2 and cos >= 0.999
         return ("close" if ok else "MISMATCH"), (f"{type(model).__name__} (loss {o.loss.dtype} vs stock's "
@@ -357,6 +356,12 @@ def check(family: str, vision: bool = False, logprobs: bool = False, task: str =
         p is not None and (p - q).abs().max().item() <= 1e-5 * q.abs().max().item() + 1e-6 * scale for p, q in pairs
     )
     return ("exact" if same_loss and same_grads else "MISMATCH"), type(model).__name__
+
+
+def _grad_cosine(grads: Any, ref_grads: Any) -> float:
+    """Cosine similarity of two sets of gradients, each taken as one vector (the bf16 checks' criterion)."""
+    a, b = (torch.cat([t.float().flatten() for t in ts]) for ts in (grads, ref_grads))
+    return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
 
 
 def _enable_checkpointing(model: torch.nn.Module, reentrant: bool) -> None:
