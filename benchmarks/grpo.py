@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     mem = {c.name: peak_added_mib(c, a.device, a.threads, in_process=a.device.startswith("cuda") and not a.fresh)
            for c in cases}
     times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=1)
-    print_peer_table(cases, mem, times, "trl", "TRL", "ms", scale=1e3, digits=0)
+    print_peer_table(cases, mem, times, "trl", "TRL", "ms", scale=1e3, digits=1)
     if a.profile:
         print("".join(profile_once(c, a.device) for c in cases if isinstance(times.get(c.name), tuple)))
     return 0

@@ -2,7 +2,7 @@
 # Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
 #   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
 #   [evaluate] [head-profile] [forge-host] [forge-7b] [forge-compile] [demo] [titans-d128] [head-128k] [launch]
-#   [masked-lm] [priority]
+#   [masked-lm] [priority] [confirm]
 # Since 2026-11-27 a session lent a GPU has 15 minutes of device time in all, the machine's start included: one call.
 # Prepare here: `bash benchmarks/gpu_wheels.sh` (the packages the image lacks, ~17 MB in .whl/), then one device call
 # with carry [".whl"], timeout_s 570:
@@ -11,6 +11,9 @@
 # `priority` runs the compiled-kernel checks and the three open targets (GRPO vs TRL, FORGE at ~1B batch 1, the Titans
 # D=128 kernel and the layer vs titans-pytorch); the notes below list what else is queued, by value.
 #   (default: the first seven)
+# Run G (2026-11-27, H100): `priority` took 255 s (its checks then failed to import memgrad_hf; fixed by the
+# PYTHONPATH line below), the three twin checks + tests/gpu_checks.py 241 s, `confirm` 191 s (its Titans table hit
+# its limit before the last shape's fwd rows: the limit is 140 s since). The machine's start took ~30 s.
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
 # (2026-11-22/23): checks ~4 min (first call, with the machine's start), head ~2.5 min per vocabulary (10 repeats;
 # run F stopped inside it), grpo ~3 (both tables), titans > 4 (run F did two of its shapes in 4 min), forge ~5,
@@ -36,6 +39,8 @@ shift
 parts=${*:-checks titans titans-layer head grpo forge forge-profile}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# `python tests/x.py` puts tests/ first on the path, not the repository: memgrad_hf must come from here as well
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 for part in $parts; do
   echo "=== $part $(date -u +%H:%M:%S)"
@@ -46,18 +51,29 @@ for part in $parts; do
         python tests/titans/_triton_twin_check.py cuda || rc=1
         python tests/_head_triton_check.py cuda || rc=1
         python tests/gpu_checks.py || rc=1; exit $rc; } 2>&1 | tee "$out/checks.md" || status=1 ;;
-    priority)  # issues 3-5's open GPU targets and the compiled-kernel checks, sized for one call (< 9 minutes)
+    priority)  # issues 3-5's open GPU targets and the compiled-kernel checks, one call: each step under its own
+      # time limit (seconds) so that one slow step cannot take the others' results with it (< 9.5 minutes in all)
       { rc=0
-        python tests/optim/_triton_twin_check.py cuda || rc=1
-        python tests/titans/_triton_twin_check.py cuda || rc=1
-        python tests/_head_triton_check.py cuda || rc=1; exit $rc; } 2>&1 | tee "$out/checks.md" || status=1
-      python -m benchmarks.grpo --device cuda --repeats 10 --peers trl memgrad 2>&1 | tee "$out/grpo.md"
-      python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 --batch 1 \
-        --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion forge_adamw+bf16_state \
-        forge_adamw+8bit_state+head 2>&1 | tee "$out/forge.md"
-      python -m benchmarks.titans --device cuda --repeats 10 --layers --kernel-shapes 8x128x128x512 2>&1 \
-        | tee "$out/titans-d128.md"
-      python -m benchmarks.titans --device cuda --repeats 5 --kernel-shapes 2>&1 | tee "$out/titans-layer.md" ;;
+        timeout -k 5 60 python tests/optim/_triton_twin_check.py cuda || rc=1
+        timeout -k 5 50 python tests/titans/_triton_twin_check.py cuda || rc=1
+        timeout -k 5 60 python tests/_head_triton_check.py cuda || rc=1; exit $rc; } 2>&1 | tee "$out/checks.md" \
+        || status=1
+      timeout -k 5 100 python -m benchmarks.grpo --device cuda --repeats 10 --peers trl memgrad 2>&1 \
+        | tee "$out/grpo.md" || status=1
+      timeout -k 5 130 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
+        --batch 1 --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion forge_adamw+bf16_state \
+        forge_adamw+8bit_state+head 2>&1 | tee "$out/forge.md" || status=1
+      timeout -k 5 75 python -m benchmarks.titans --device cuda --repeats 10 --layers \
+        --kernel-shapes 8x128x128x512 2>&1 | tee "$out/titans-d128.md" || status=1
+      timeout -k 5 90 python -m benchmarks.titans --device cuda --repeats 5 --kernel-shapes 2>&1 \
+        | tee "$out/titans-layer.md" || status=1 ;;
+    confirm)  # a second short call: GRPO with more repeats, the Titans kernel table at every shape, the head at 128256
+      timeout -k 5 70 python -m benchmarks.grpo --device cuda --repeats 30 --peers trl memgrad 2>&1 \
+        | tee "$out/grpo-confirm.md" || status=1
+      timeout -k 5 140 python -m benchmarks.titans --device cuda --repeats 15 --layers --kernel-shapes 48x128x64x256 \
+        8x128x64x256 8x128x128x512 8x128x256x1024 2>&1 | tee "$out/titans-kernels.md" || status=1
+      timeout -k 5 100 python -m benchmarks.head --device cuda --repeats 10 --vocab 128256 2>&1 \
+        | tee "$out/head-128k.md" || status=1 ;;
     titans) python -m benchmarks.titans --device cuda --repeats 10 --layers 2>&1 | tee "$out/titans.md" ;;
     titans-layer) python -m benchmarks.titans --device cuda --repeats 5 --kernel-shapes 2>&1 \
       | tee "$out/titans-layer.md" ;;

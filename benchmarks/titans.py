@@ -6,7 +6,9 @@ Kernel: one chunk's inner gradient plus retrieval for ``B`` independent memories
 ``(B, D, H)``, ``(B, H, D)``, depth-2 GELU MLP with LayerNorm + residual): the manual kernel
 (``memgrad_hf.kernels.titans.memory_step``) against the ``torch.func.vmap(grad(...))`` reference
 (``memory_step_autograd``). On CUDA ``manual`` is the GPU default (cuBLAS GEMMs, the row ops in two Triton kernels,
-``kernels.titans_rows_triton``), and two more peers run: ``manual_torch_rows`` (the same step with its row ops as ~11
+``kernels.titans_rows_triton``; since 2026-11-27 an inference step at ``D <= 64``, ``H <= 256`` runs as the
+whole-step Triton kernel, so ``manual`` and ``triton`` are the same code in those ``fwd`` rows), and two more peers
+run: ``manual_torch_rows`` (the same step with its row ops as ~11
 torch ops, as before those kernels) and ``triton`` (the opt-in whole-step Triton twin
 ``kernels.titans_triton.memory_step``, Triton forward, torch-twin backward). ``train``: the kernel forward plus the
 outer backward of a random projection of its outputs (second-order terms to weights, gamma, keys, values, queries and

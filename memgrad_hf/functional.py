@@ -92,8 +92,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError(
                 "memgrad_hf: backward through the fused cross-entropy a second time (retain_graph=True, "
                 "torch.autograd.gradcheck): its gradients are computed in forward and handed to the first backward. "
-                "Wrap the earlier backward in memgrad_hf.functional.retain_head_grads() to keep them (or, calling "
-                "linear_cross_entropy yourself, pass grad_in_forward=False: recomputed in each backward)."
+                "Wrap the earlier backward in memgrad_hf.functional.retain_head_grads() to keep them, or have the "
+                "logits recomputed in each backward: patch_model(model, grad_in_forward=False), or "
+                "grad_in_forward=False to linear_cross_entropy."
             )
         dx, dw, db = ctx.grads
         retain = getattr(_RETAIN, "on", False)

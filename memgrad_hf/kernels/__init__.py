@@ -179,7 +179,8 @@ def titans_step_impl(device: torch.device | str | None = None):
     than the torch kernel's batched cuBLAS GEMMs at D=64 and 2.2x slower at D=128, so it is opt-in. Both have the
     same signature and return values. Imported lazily so CPU-only installs never import Triton. On a GPU the torch
     kernel runs its row ops (LayerNorm, loss gradient, LayerNorm backward) through
-    :mod:`memgrad_hf.kernels.titans_rows_triton` by default (``default_backend("titans")``).
+    :mod:`memgrad_hf.kernels.titans_rows_triton` by default (``default_backend("titans")``), and an inference step
+    at head width <= 64 as the Triton twin's one kernel (faster there; measured 2026-11-27).
     """
     if backend(device) == "triton" and _forced() == "triton":
         from memgrad_hf.kernels.titans_triton import memory_step

@@ -204,6 +204,28 @@ def _rows_impl(x: Tensor):
     return titans_rows_triton
 
 
+# Where a step has no backward to serve, the whole-step Triton kernel (kernels.titans_triton: one program per memory,
+# one launch) beats the batched GEMMs' ~12 launches at head width <= 64 and MLP width <= 256 on an H100: 0.33-0.34
+# against 0.40-0.42 ms at best (0.45-0.59 median) at B=8 and B=48, D=64, H=256; at D=128, H=512 its program's tiles
+# no longer fit and it takes 1.30 against 0.39 ms (benchmarks/RESULTS.md, 2026-11-22 and 2026-11-27).
+_WHOLE_STEP_MAX_D, _WHOLE_STEP_MAX_H = 64, 256
+
+
+def _inference_step(weights: list[Tensor], gamma: Tensor, keys: Tensor, values: Tensor, lr: Tensor,
+                    queries: Tensor | None):
+    """The whole-step Triton ``memory_step`` for an inference step where it is the faster one (see above), else
+    None: on a GPU whose Titans row kernels run (``_rows_impl``), fp32, depth <= 4, ``D <= 64``, widths <= 256."""
+    if _rows_impl(keys) is _ROWS or keys.numel() == 0 or (queries is not None and queries.shape[1] == 0):
+        return None
+    tensors = (*weights, gamma, keys, values, lr, *(() if queries is None else (queries,)))
+    if (len(weights) > 4 or keys.shape[-1] > _WHOLE_STEP_MAX_D or any(t.dtype != torch.float32 for t in tensors)
+            or any(max(w.shape[-2:]) > _WHOLE_STEP_MAX_H for w in weights)):
+        return None
+    from memgrad_hf.kernels import titans_triton
+
+    return titans_triton.memory_step
+
+
 def _step_forward(weights: list[Tensor], gamma: Tensor, keys: Tensor, values: Tensor, lr: Tensor,
                   queries: Tensor | None, activation: str, save: bool = True, return_loss: bool = True,
                   rows=None) -> tuple[tuple[Tensor | None, ...], dict]:
@@ -470,6 +492,10 @@ def memory_step(
 ) -> tuple[list[Tensor], Tensor, Tensor | None, Tensor | None]:
     """One chunk of the memory: inner gradients at the given weights, and the retrieval for ``queries``.
 
+    Batched GEMMs with the row ops between them (two Triton kernels on a GPU); an inference step (no gradient to
+    any input) on a GPU at head width <= 64 and MLP width <= 256 runs as one Triton kernel instead (the faster
+    there; same results, ``kernels.titans_triton``).
+
     Args:
         weights: L memory weights, ``(G, d_in, d_out)`` or shared ``(d_in, d_out)``.
         gamma: LayerNorm gain offset, ``(G, D)`` or ``(D,)``.
@@ -497,6 +523,9 @@ def memory_step(
     elif torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         outs = _MemoryStep.apply(activation, L, queries is not None, return_loss, *tensors)
     else:  # inference: no graph, nothing saved
+        whole = _inference_step(list(weights), gamma, keys, values, lr, queries)
+        if whole is not None:
+            return whole(list(weights), gamma, keys, values, lr, queries, activation, return_loss=return_loss)
         outs, _ = _step_forward(list(weights), gamma, keys, values, lr, queries, activation, save=False,
                                 return_loss=return_loss, rows=_rows_impl(keys))
     return list(outs[:L]), outs[L], (outs[L + 2] if queries is not None else None), outs[L + 1]

@@ -50,6 +50,7 @@ class HeadPatch:
     weight_consumer_factory: Any = None
     # Set for one Trainer loss (label_smoothing_factor > 0; see memgrad_hf.patches.trainer): the ε of the loss
     label_smoothing: float = 0.0
+    grad_in_forward: bool | None = None  # patch_model's option (see linear_cross_entropy); FORGE's consumer overrides
     # False after unpatch_model found the forward wrapped by something installed later (see unpatch_head)
     active: bool = True
     lost_warned: bool = False  # (see head_patch)
@@ -366,7 +367,8 @@ def _chunked_cross_entropy(head: nn.Module, cap: _Capture, patch: HeadPatch, cha
     hold = getattr(consumer, "hold", False) and not low
     return linear_cross_entropy(
         h, weight, targets, bias=bias, softcap=softcap, logit_scale=scale, chunk_size=patch.chunk_size,
-        accum_dtype=patch.accum_dtype, weight_grad_consumer=consumer, grad_in_forward=True if hold else None,
+        accum_dtype=patch.accum_dtype, weight_grad_consumer=consumer,
+        grad_in_forward=True if hold else (patch.grad_in_forward if consumer is None else None),
         **loss_kwargs,
     )
 
@@ -531,16 +533,20 @@ def _loss_not_served(model: nn.Module) -> str:
     return ""
 
 
-def patch_head(model: nn.Module, *, chunk_size: int | None = None, accum_dtype: torch.dtype | None = None) -> None:
+def patch_head(model: nn.Module, *, chunk_size: int | None = None, accum_dtype: torch.dtype | None = None,
+               grad_in_forward: bool | None = None) -> None:
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None; got {chunk_size!r}.")
     if accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"accum_dtype must be None, torch.float32 or the weight dtype; got {accum_dtype!r}.")
+    if grad_in_forward is not None and not isinstance(grad_in_forward, bool):
+        raise ValueError(f"grad_in_forward must be None, True or False; got {grad_in_forward!r}.")
     existing: HeadPatch | None = getattr(model, _ATTR, None)
     if existing is not None and _forward_lost(model):
         delattr(model, _ATTR)  # an unpickled model: patched again from scratch
     elif existing is not None:  # patching twice only updates the options (and undoes a deferred unpatch)
         existing.chunk_size, existing.accum_dtype, existing.active = chunk_size, accum_dtype, True
+        existing.grad_in_forward = grad_in_forward
         return
     if is_fused_head_forward(model.__dict__.get("forward")):
         raise UnsupportedModelError(
@@ -553,7 +559,7 @@ def patch_head(model: nn.Module, *, chunk_size: int | None = None, accum_dtype: 
     original = model.forward
     sig = inspect.signature(type(model).forward)
     sig = sig.replace(parameters=list(sig.parameters.values())[1:])  # drop self
-    setattr(model, _ATTR, HeadPatch(chunk_size, accum_dtype, original, had, sig))
+    setattr(model, _ATTR, HeadPatch(chunk_size, accum_dtype, original, had, sig, grad_in_forward=grad_in_forward))
     # A method bound to the model (not a closure) so that copy.deepcopy(model) rebinds it to the copy;
     # __wrapped__ keeps inspect.signature == the class's (generate() and the Trainer inspect it).
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

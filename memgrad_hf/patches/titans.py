@@ -343,7 +343,15 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
                     "for this layer (it was filled by the model without Titans, or under gradient checkpointing). "
                     "Start from an empty cache."
                 )
-            if entry.state.seq_index != past:
+            seen = entry.state.seq_index
+            if seen > past and seen % past == 0:  # the same multiple at every call: streams, not an edit
+                raise UnsupportedModelError(
+                    f"Titans memory on layer {info.index} ({name}): the layer saw {seen} positions for the {past} "
+                    f"tokens its cache holds, {seen // past} per token (several streams through one layer, as in "
+                    "ProphetNet's n-gram decoder), so the memory state cannot follow the cache. Run the model "
+                    "uncached: model(..., use_cache=False), generate(..., use_cache=False) (training uses no cache)."
+                )
+            if seen != past:
                 raise ValueError(
                     f"Titans memory on layer {info.index}: the cache holds {past} tokens but the memory has seen "
                     f"{entry.state.seq_index}; the cache was changed outside the model (cropped or edited)."

@@ -416,6 +416,36 @@ def test_bad_arguments_raise_value_error():
         memgrad_hf.patch_model(model, chunk_size=-1)
     with pytest.raises(ValueError, match="accum_dtype"):
         memgrad_hf.patch_model(model, accum_dtype=torch.int8)
+    with pytest.raises(ValueError, match="grad_in_forward"):
+        memgrad_hf.patch_model(model, grad_in_forward="no")
+
+
+def test_grad_in_forward_false_recomputes_the_logits_in_backward():
+    # An fp32 model computes the head's gradients in forward by default: they are handed to the first backward
+    # only, so a second backward through the same graph is refused. With grad_in_forward=False the logits are
+    # recomputed in each backward: both backwards run, and the gradients are the unpatched model's, twice.
+    ids, labels = _batch()
+    model, ref = _pair()
+    memgrad_hf.patch_model(model)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"patch_model\(model, grad_in_forward=False\)"):
+        loss.backward()
+    model, ref = _pair()
+    memgrad_hf.patch_model(model, grad_in_forward=False)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    (2 * ref_loss).backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    memgrad_hf.patch_model(model)  # patching again resets the option
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="a second time"):
+        loss.backward()
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ On a GPU machine: ``python tests/titans/_triton_twin_check.py cuda`` runs the co
 line per config and exits non-zero above 1e-5 relative error.
 """
 
+import contextlib
 import sys
 
 import torch
@@ -41,11 +42,23 @@ def make_inputs(depth: int, shared: bool, device: str, g: int = 2, c: int = 16, 
     return [move(w) for w in ws], move(gamma), move(k), move(v), move(lr), move(q)
 
 
+@contextlib.contextmanager
+def torch_step():
+    """The torch step with its torch row ops: on a GPU, K.memory_step would otherwise run an inference step at these
+    widths as T's kernel (the twin checked against itself)."""
+    rows_impl, K._rows_impl = K._rows_impl, lambda x: K
+    try:
+        yield
+    finally:
+        K._rows_impl = rows_impl
+
+
 def check_forward(depth: int, activation: str, shared: bool, with_q: bool, device: str, **shape) -> float:
     ws, gamma, k, v, lr, q = make_inputs(depth, shared, device, **shape)
     q = q if with_q else None
-    with torch.no_grad():
+    with torch.no_grad(), torch_step():
         ref = K.memory_step(ws, gamma, k, v, lr, q, activation)
+    with torch.no_grad():
         out = T.memory_step(ws, gamma, k, v, lr, q, activation)
     assert (ref[2] is None) == (out[2] is None)
     with torch.no_grad():  # the layer's call: the same step, no per-token loss returned
@@ -126,6 +139,22 @@ def check_rows(device: str) -> float:
         out, _ = K._step_forward(ws, gamma, k, v, lr, q, "gelu", save=False, rows=R)
     err = max(rel_err(b, a) for a, b in zip(ref, out, strict=True))
     print(f"step with row kernels, inference: rel err {err:.2e}")
+    worst = max(worst, err)
+    # what K.memory_step runs for an inference step where the row kernels run (a GPU; forced here): at head width
+    # <= 64 the whole-step kernel, equal to the torch step; at 128 the torch step with the row kernels
+    rows_impl, K._rows_impl = K._rows_impl, lambda x: R
+    try:
+        assert K._inference_step(ws, gamma, k, v, lr, q) is T.memory_step
+        with torch.no_grad():
+            out = K.memory_step(ws, gamma, k, v, lr, q, "gelu", return_loss=False)
+        wide = make_inputs(2, True, device, g=2, c=8, d=128, e=1, cq=4, seed=5)
+        assert K._inference_step(*wide) is None
+    finally:
+        K._rows_impl = rows_impl
+    assert out[3] is None and out[2] is not None
+    n = len(ws)  # ref: (*grads, dgamma, token_loss, retrieved)
+    err = max(rel_err(b, a) for a, b in zip((*out[0], out[1], out[2]), (*ref[:n], ref[n], ref[n + 2]), strict=True))
+    print(f"inference step as K.memory_step dispatches it (whole-step kernel): rel err {err:.2e}")
     worst = max(worst, err)
     leaves = [t.requires_grad_() for t in (*ws, gamma, k, v, lr, q)]
     rows_impl = K._rows_impl

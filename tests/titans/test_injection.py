@@ -186,6 +186,22 @@ def test_cache_misuse_is_an_error():
         cache.crop(0)  # a no-op stays allowed
 
 
+def test_several_streams_through_a_layer_are_refused_when_cached():
+    # ProphetNet's decoder runs its main stream and its n-gram streams through each layer as one sequence: the memory
+    # trains and runs uncached, but it cannot follow a cache that counts one position per token (refused by name;
+    # it was a ValueError about an edited cache)
+    from benchmarks.compat import _tiny
+    from benchmarks.compat_titans import _incremental_logits
+
+    model = _activate(memgrad_hf.patch_model(_tiny("prophetnet").eval(), head=False,
+                                             titans=TitansConfig(layers=[-1], **CFG)))
+    ids = torch.randint(3, 101, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids, use_cache=False).logits).all()
+        with pytest.raises(UnsupportedModelError, match=r"3 per token .*ProphetNet's n-gram decoder"):
+            _incremental_logits(model, ids, 5)
+
+
 def _hf_loss(model, ids):
     return model(input_ids=ids, labels=ids).loss
 

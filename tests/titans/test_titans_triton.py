@@ -81,6 +81,34 @@ def test_titans_row_kernels_dispatch(monkeypatch):
     assert titans._rows_impl(gpu) is titans
 
 
+def test_titans_inference_step_dispatch(monkeypatch):
+    """An inference step takes the whole-step Triton kernel only where it measured faster on an H100: row kernels
+    running (a GPU), fp32, depth <= 4, head width <= 64, MLP widths <= 256, something to compute."""
+    pytest.importorskip("triton")
+    import torch
+
+    from memgrad_hf.kernels import titans, titans_rows_triton, titans_triton
+
+    def inputs(d=64, h=256, depth=2, c=8, cq=4, dtype=torch.float32):
+        widths = [d] + [h] * (depth - 1) + [d]
+        ws = [torch.zeros(2, widths[i], widths[i + 1], dtype=dtype) for i in range(depth)]
+        z = torch.zeros
+        return ws, z(2, d), z(2, c, d), z(2, c, d), z(2, c), z(2, cq, d)
+
+    assert titans._inference_step(*inputs()) is None  # CPU: the torch step
+    monkeypatch.setattr(titans, "_rows_impl", lambda x: titans_rows_triton)  # as on a GPU whose row kernels run
+    assert titans._inference_step(*inputs()) is titans_triton.memory_step
+    assert titans._inference_step(*inputs(d=16, h=48, depth=4)) is titans_triton.memory_step
+    ws, gamma, k, v, lr, _ = inputs()
+    assert titans._inference_step(ws, gamma, k, v, lr, None) is titans_triton.memory_step  # store only
+    assert titans._inference_step(*inputs(d=128, h=256)) is None
+    assert titans._inference_step(*inputs(d=64, h=512)) is None
+    assert titans._inference_step(*inputs(depth=5, h=64)) is None
+    assert titans._inference_step(*inputs(dtype=torch.bfloat16)) is None
+    assert titans._inference_step(*inputs(c=0)) is None
+    assert titans._inference_step(*inputs(cq=0)) is None
+
+
 def test_titans_row_kernels_reject_what_they_cannot_take():
     pytest.importorskip("triton")
     import torch
