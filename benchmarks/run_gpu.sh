@@ -2,7 +2,7 @@
 # Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
 #   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
 #   [evaluate] [head-profile] [forge-host] [forge-7b] [forge-compile] [demo] [titans-d128] [head-128k] [launch]
-#   [masked-lm] [priority] [confirm]
+#   [masked-lm] [priority] [confirm] [next]
 # Since 2026-11-27 a session lent a GPU has 15 minutes of device time in all, the machine's start included: one call.
 # Prepare here: `bash benchmarks/gpu_wheels.sh` (the packages the image lacks, ~17 MB in .whl/), then one device call
 # with carry [".whl"], timeout_s 570:
@@ -14,6 +14,9 @@
 # Run G (2026-11-27, H100): `priority` took 255 s (its checks then failed to import memgrad_hf; fixed by the
 # PYTHONPATH line below), the three twin checks + tests/gpu_checks.py 241 s, `confirm` 191 s (its Titans table hit
 # its limit before the last shape's fwd rows: the limit is 140 s since). The machine's start took ~30 s.
+# Next session with a GPU: `bash benchmarks/gpu_wheels.sh`, then one call `... run_gpu.sh $OUT next` (carry .whl,
+# timeout_s 590): the compiled checks, the Titans kernel table with the new inference dispatch (issue 5's medians),
+# the launch / FORGE-host costs (issue 3: is the ~1B step's gap the Triton launch?) and FORGE under torch.compile.
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
 # (2026-11-22/23): checks ~4 min (first call, with the machine's start), head ~2.5 min per vocabulary (10 repeats;
 # run F stopped inside it), grpo ~3 (both tables), titans > 4 (run F did two of its shapes in 4 min), forge ~5,
@@ -67,6 +70,20 @@ for part in $parts; do
         --kernel-shapes 8x128x128x512 2>&1 | tee "$out/titans-d128.md" || status=1
       timeout -k 5 90 python -m benchmarks.titans --device cuda --repeats 5 --kernel-shapes 2>&1 \
         | tee "$out/titans-layer.md" || status=1 ;;
+    next)  # the next session's call (after run G): compiled checks, issue 5's medians with the inference dispatch,
+      # and the host cost of one Triton launch and of FORGE's Python per layer (issue 3), < 9.5 minutes in all
+      { rc=0
+        timeout -k 5 60 python tests/optim/_triton_twin_check.py cuda || rc=1
+        timeout -k 5 50 python tests/titans/_triton_twin_check.py cuda || rc=1
+        timeout -k 5 60 python tests/_head_triton_check.py cuda || rc=1; exit $rc; } 2>&1 | tee "$out/checks.md" \
+        || status=1
+      timeout -k 5 140 python -m benchmarks.titans --device cuda --repeats 15 --layers --kernel-shapes 48x128x64x256 \
+        8x128x64x256 8x128x128x512 8x128x256x1024 2>&1 | tee "$out/titans-kernels.md" || status=1
+      { timeout -k 5 40 python -m benchmarks.launch_overhead
+        timeout -k 5 60 python -m benchmarks.forge_host --device cuda; } 2>&1 | tee "$out/launch.md" || status=1
+      timeout -k 5 150 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
+        --batch 1 --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion adamw_torch_fused+compile \
+        forge_lion+compile 2>&1 | tee "$out/forge-compile.md" || status=1 ;;
     confirm)  # a second short call: GRPO with more repeats, the Titans kernel table at every shape, the head at 128256
       timeout -k 5 70 python -m benchmarks.grpo --device cuda --repeats 30 --peers trl memgrad 2>&1 \
         | tee "$out/grpo-confirm.md" || status=1

@@ -215,7 +215,8 @@ def _inference_step(weights: list[Tensor], gamma: Tensor, keys: Tensor, values: 
                     queries: Tensor | None):
     """The whole-step Triton ``memory_step`` for an inference step where it is the faster one (see above), else
     None: on a GPU whose Titans row kernels run (``_rows_impl``), fp32, depth <= 4, ``D <= 64``, widths <= 256."""
-    if _rows_impl(keys) is _ROWS or keys.numel() == 0 or (queries is not None and queries.shape[1] == 0):
+    if (_rows_impl(keys) is _ROWS or keys.numel() == 0 or (queries is not None and queries.shape[1] == 0)
+            or torch.is_autocast_enabled(keys.device.type)):  # (autocast would run the torch step's GEMMs in bf16)
         return None
     tensors = (*weights, gamma, keys, values, lr, *(() if queries is None else (queries,)))
     if (len(weights) > 4 or keys.shape[-1] > _WHOLE_STEP_MAX_D or any(t.dtype != torch.float32 for t in tensors)

@@ -107,6 +107,8 @@ def test_titans_inference_step_dispatch(monkeypatch):
     assert titans._inference_step(*inputs(dtype=torch.bfloat16)) is None
     assert titans._inference_step(*inputs(c=0)) is None
     assert titans._inference_step(*inputs(cq=0)) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert titans._inference_step(*inputs()) is None
 
 
 def test_titans_row_kernels_reject_what_they_cannot_take():
