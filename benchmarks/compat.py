@@ -398,12 +398,13 @@ def main(argv: list[str] | None = None) -> int:
                         "(sequence classification: --forge only, it has no LM head)")
     p.add_argument("--bf16", action="store_true",
                    help="the head check with both models in bf16 (close: the loss in stock's dtype, within 2%%; the "
-                        "gradients at cosine >= 0.999), or with --titans the injection into a bf16 model")
+                        "gradients at cosine >= 0.999); with --forge FORGE against torch's AdamW in bf16 (close: "
+                        "updates within 10%%, every parameter moved); with --titans the injection into a bf16 model")
     p.add_argument("--titans", action="store_true",
                    help="check Titans injection instead: step-0 identity, memory gradients, cached == uncached")
     a = p.parse_args(argv)
-    if a.bf16 and (a.logprobs or a.forge):
-        p.error("--bf16 is for the head check and --titans: without --logprobs or --forge")
+    if a.bf16 and (a.logprobs or a.checkpointing):
+        p.error("--bf16 is for the head check, --forge and --titans: without --logprobs or --checkpointing")
     if a.task != "causal-lm" and (a.vision or a.logprobs or a.titans or (a.task == "seq-cls" and not a.forge)):
         p.error(f"--task {a.task} is swept by the head check or --forge (--forge only for seq-cls), without --vision, "
                 "--logprobs or --titans")
@@ -451,7 +452,7 @@ def _sweep(a: argparse.Namespace) -> int:
                 results[fam] = (status.replace("exact", "close") if a.bf16 else status), detail
             elif a.forge:
                 results[fam] = check_forge(fam, a.vision, checkpointing=a.checkpointing, logprobs=a.logprobs,
-                                           lora=a.lora, task=a.task)
+                                           lora=a.lora, task=a.task, bf16=a.bf16)
             else:
                 results[fam] = check(fam, a.vision, a.logprobs, a.task, a.bf16)
         except _Timeout:
