@@ -403,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--titans", action="store_true",
                    help="check Titans injection instead: step-0 identity, memory gradients, cached == uncached")
     a = p.parse_args(argv)
-    if a.bf16 and (a.logprobs or a.checkpointing):
-        p.error("--bf16 is for the head check, --forge and --titans: without --logprobs or --checkpointing")
+    if a.bf16 and a.logprobs:
+        p.error("--bf16 is for the head check, --forge and --titans: without --logprobs")
     if a.task != "causal-lm" and (a.vision or a.logprobs or a.titans or (a.task == "seq-cls" and not a.forge)):
         p.error(f"--task {a.task} is swept by the head check or --forge (--forge only for seq-cls), without --vision, "
                 "--logprobs or --titans")

@@ -175,8 +175,8 @@ def titans_step_impl(device: torch.device | str | None = None):
     (:func:`memgrad_hf.kernels.titans.memory_step`) on every device, unless ``MEMGRAD_BACKEND=triton`` asks for the
     Triton twin (:func:`memgrad_hf.kernels.titans_triton.memory_step`, Triton forward, torch-twin backward).
 
-    Measured on an H100 (benchmarks/RESULTS.md, 2026-11-22): the Triton twin, one program per memory, is no faster
-    than the torch kernel's batched cuBLAS GEMMs at D=64 and 2.2x slower at D=128, so it is opt-in. Both have the
+    Measured on an H100 (benchmarks/RESULTS.md, 2026-11-22 and -27): the Triton twin, one program per memory, is
+    slower than the torch kernel's batched cuBLAS GEMMs in training and at D=128, so it is opt-in here. Both have the
     same signature and return values. Imported lazily so CPU-only installs never import Triton. On a GPU the torch
     kernel runs its row ops (LayerNorm, loss gradient, LayerNorm backward) through
     :mod:`memgrad_hf.kernels.titans_rows_triton` by default (``default_backend("titans")``), and an inference step

@@ -23,8 +23,9 @@ terms of the inner loss) are exact and the twin is a drop-in for training; with 
 keeps its graph to the original inputs, so double backward is exact too.
 
 On CPU the kernel runs only under ``TRITON_INTERPRET=1`` (slowly; used by the tests). On a GPU it is selected by
-:func:`memgrad_hf.kernels.titans_step_impl` when ``MEMGRAD_BACKEND=triton`` (opt-in: slower than the torch kernel on an
-H100 at D >= 128, see benchmarks/RESULTS.md).
+:func:`memgrad_hf.kernels.titans_step_impl` when ``MEMGRAD_BACKEND=triton`` (slower than the torch kernel on an H100
+in training and at D >= 128, see benchmarks/RESULTS.md), and by the torch kernel's ``memory_step`` for an inference
+step at head width <= 64 and MLP width <= 256, where it is the faster one.
 """
 
 from __future__ import annotations
