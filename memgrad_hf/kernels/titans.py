@@ -30,6 +30,7 @@ Shapes: ``G`` independent memories (batch x heads), chunk of ``C`` tokens, head 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -212,7 +213,7 @@ _WHOLE_STEP_MAX_D, _WHOLE_STEP_MAX_H = 64, 256
 
 
 def _inference_step(weights: list[Tensor], gamma: Tensor, keys: Tensor, values: Tensor, lr: Tensor,
-                    queries: Tensor | None):
+                    queries: Tensor | None) -> Callable | None:
     """The whole-step Triton ``memory_step`` for an inference step where it is the faster one (see above), else
     None: on a GPU whose Titans row kernels run (``_rows_impl``), fp32, depth <= 4, ``D <= 64``, widths <= 256."""
     if (_rows_impl(keys) is _ROWS or keys.numel() == 0 or (queries is not None and queries.shape[1] == 0)
