@@ -25,3 +25,26 @@ def test_readme_test_command_is_what_ci_runs():
     cmd = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest'
     assert cmd in readme
     assert cmd.replace("pip install ", "pip install -q ") in ci
+
+
+def test_gpu_script_names_what_exists():
+    """benchmarks/run_gpu.sh runs on a lent GPU with minutes to spare: a module, script or configuration it names
+    that does not exist would cost one of them, so every name is checked here (and the script parses)."""
+    import importlib.util
+    import re
+
+    from benchmarks.forge import CONFIGS
+
+    script = ROOT / "benchmarks" / "run_gpu.sh"
+    res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    lines = script.read_text().splitlines()
+    text = "\n".join(re.sub(r"\s#\s.*", "", line) for line in lines if not line.lstrip().startswith("#"))
+    text = text.replace("\\\n", " ")
+    modules = set(re.findall(r"python -m ([\w.]+)", text))
+    assert {"benchmarks.forge", "benchmarks.titans", "benchmarks.grpo"} <= modules
+    assert [m for m in modules if importlib.util.find_spec(m) is None] == []
+    scripts = set(re.findall(r"python (tests/[\w/]+\.py)", text))
+    assert scripts and [s for s in scripts if not (ROOT / s).is_file()] == []
+    configs = [name for run in re.findall(r"--configs((?:\s+[A-Za-z_][\w+]*)+)", text) for name in run.split()]
+    assert configs and [c for c in configs if c not in CONFIGS] == []
