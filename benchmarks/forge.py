@@ -67,6 +67,7 @@ CONFIGS = {
     # Trainer(torch_compile=True): fewer host launches per step, which is what bounds a ~1B model at batch 1
     "adamw_torch_fused+compile": dict(optim="adamw_torch_fused", torch_compile=True),
     "forge_lion+compile": dict(optim="forge_lion", torch_compile=True),
+    "forge_adamw+compile": dict(optim="forge_adamw", torch_compile=True),
     "forge_lion+split+compile": dict(optim="forge_lion", optim_args="kernel=split", torch_compile=True),
     "forge_adamw+bf16_state+compile": dict(optim="forge_adamw", optim_args="state_dtype=bf16", torch_compile=True),
 }

@@ -43,6 +43,7 @@ from memgrad_hf.functional import retain_head_grads
 from memgrad_hf.kernels import _forced as _forced_backend
 from memgrad_hf.kernels import default_backend
 from memgrad_hf.kernels import forge as K
+from memgrad_hf.optim import forge_ops
 from memgrad_hf.patches import forge as P
 
 log = logging.getLogger("memgrad_hf.forge")
@@ -280,6 +281,9 @@ class ForgeOptimizer(Optimizer):
         self._norm_pass_seen = False
         self._attached = False
         self._unhooked: list[Tensor] = []
+        self._op_key = forge_ops.register(self)  # how a compiled model's FORGE layers find this optimizer
+        self._compiled_pending: set[Tensor] = set()
+        self._compiled_uses: dict[Tensor, int] = {}  # weight -> its compiled layer's uses not back-propagated yet
         self.attach()
 
     def attach(self) -> None:
@@ -317,6 +321,8 @@ class ForgeOptimizer(Optimizer):
         fusable = {id(p) for p in self._group_index if counts.get(id(p), 0) == 1 and p.requires_grad}
         self._swapped = P.swap_linears(model, self, fusable)
         self._fused = {m.weight for m in self._swapped}  # nn.Linear and nn.Embedding weights
+        with torch.enable_grad():  # each one's gradient accumulator, for a compiled layer (forge_ops._accumulates)
+            self._grad_nodes = {w: torch.autograd.graph.get_gradient_edge(w).node for w in self._fused}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._group_index
                        if p.requires_grad]
         self._hooked = {p for p in self._group_index if p.requires_grad}
@@ -436,6 +442,8 @@ class ForgeOptimizer(Optimizer):
         self._forward_switch = on
 
     def _wrap_loss(self, out: Any) -> Any:
+        if torch.compiler.is_compiling():  # (one break, after the model's last op: dynamo cannot trace the root)
+            return self._wrap_loss_eagerly(out)
         if not torch.is_grad_enabled():
             return out
         if isinstance(out, Tensor):
@@ -444,6 +452,10 @@ class ForgeOptimizer(Optimizer):
         if isinstance(loss, Tensor) and loss.requires_grad:
             out["loss"] = _LossRoot.apply(loss, self, [loss])
         return out
+
+    @torch.compiler.disable
+    def _wrap_loss_eagerly(self, out: Any) -> Any:
+        return self._wrap_loss(out)
 
     def detach(self) -> None:
         """Undo the model changes (linear swaps, hooks, forward wrapper): the model back-propagates normally again
@@ -467,6 +479,7 @@ class ForgeOptimizer(Optimizer):
             # else wrapped in turn since (accelerate's autocast wrapper, ...): kept, ours passes calls through
             self._wrapped_forward = False
         self._swapped, self._hooks, self._fused, self._hooked, self._unhooked = [], [], set(), set(), []
+        self._grad_nodes = {}
         self._root_task, self._deferred = None, {}
         self._attached = False
         ForgeOptimizer._attached_now.discard(self)
@@ -898,6 +911,41 @@ class ForgeOptimizer(Optimizer):
                               fixed=False)
         self._last_use[weight] = weakref.ref(node)
 
+    def _note_compiled_use(self, weight: Tensor) -> None:
+        """:meth:`_note_use` for a compiled layer, whose operator leaves no Python object alive until its backward:
+        its uses not yet back-propagated are counted instead (and forgotten at :meth:`step`, where a graph kept
+        without a backward stops counting, as its autograd node does for the eager layer)."""
+        if torch._C._current_graph_task_id() != -1:  # a recomputation in backward (checkpointing): not a use
+            return
+        n = self._compiled_uses.get(weight, 0)
+        if weight not in self._shared and (n or self._pending(weight)):
+            self._mark_shared(weight, "is used more than once before one backward (a layer called twice, two "
+                                      "forwards and one loss, or an earlier forward's graph kept without a backward)",
+                              fixed=False)
+        self._compiled_uses[weight] = n + 1
+
+    def _compiled_use_done(self, weight: Tensor) -> None:
+        """A compiled layer's use was back-propagated."""
+        n = self._compiled_uses.pop(weight, 0)
+        if n > 1:
+            self._compiled_uses[weight] = n - 1
+
+    def _compiled_weight_grad(self, weight: Tensor, dw: Tensor) -> None:
+        """A compiled layer's weight gradient that its backward cannot apply (the weight's gradient has other
+        parts): summed into ``.grad`` as autograd sums the eager layer's, and applied once when this backward ends, as
+        the hook applies the eager one's (:mod:`memgrad_hf.optim.forge_ops`)."""
+        weight.grad = dw if weight.grad is None else weight.grad + dw
+        if self._root_task is not None:
+            self._deferred[weight] = None
+        elif weight not in self._compiled_pending:
+            self._compiled_pending.add(weight)
+
+            def apply() -> None:
+                self._compiled_pending.discard(weight)
+                self._on_grad(weight)
+
+            torch.autograd.Variable._execution_engine.queue_callback(apply)
+
     def _note_segment_use(self, weight: Tensor) -> None:
         """A fused weight's use in the first, autograd-free forward of a reentrant checkpointed segment. Each segment
         back-propagates in a backward of its own, where its layer would apply its update at once: a weight used in
@@ -1062,6 +1110,7 @@ class ForgeOptimizer(Optimizer):
         self._applied.clear()
         self._in_layer.clear()
         self._shared = set(self._shared_fixed)  # marks found at forward hold for their step only
+        self._compiled_uses.clear()
         now, bad = 0.0, 0
         for norm_sq, skipped in self._step_sums.values():  # one host read per device and step
             now, bad = now + float(norm_sq), bad + int(skipped)
@@ -1142,6 +1191,10 @@ def _segment_starts(opt_ref: Any, layer: nn.Module, args: Any) -> None:
     """Forward pre-hook of a layer with transformers' checkpointing flag: a call that checkpoints reentrantly (its
     forward then runs without autograd) opens a segment, whose fused-weight uses FORGE counts (``_note_segment_use``).
     Calls inside a backward (the recomputation) and under ``no_grad`` (generation) open none."""
+    if torch.compiler.is_compiling():  # (a compiled model runs a reentrant checkpoint eagerly: only then break)
+        if layer.gradient_checkpointing and _checkpoints_reentrantly(layer):
+            _segment_starts_eagerly(opt_ref, layer, args)
+        return
     opt = opt_ref()
     if (opt is not None and opt._segment is None and layer.training and torch.is_grad_enabled()
             and torch._C._current_graph_task_id() == -1 and _checkpoints_reentrantly(layer)):
@@ -1149,9 +1202,17 @@ def _segment_starts(opt_ref: Any, layer: nn.Module, args: Any) -> None:
 
 
 def _segment_ends(opt_ref: Any, layer: nn.Module, args: Any, out: Any) -> None:
+    if torch.compiler.is_compiling():
+        if layer.gradient_checkpointing and _checkpoints_reentrantly(layer):
+            _segment_ends_eagerly(opt_ref, layer, args, out)
+        return
     opt = opt_ref()
     if opt is not None and opt._segment is layer:
         opt._segment = None
+
+
+_segment_starts_eagerly = torch.compiler.disable(_segment_starts)
+_segment_ends_eagerly = torch.compiler.disable(_segment_ends)
 
 
 class ForgeAdamW(ForgeOptimizer):

@@ -12,6 +12,14 @@ from torch import nn
 from memgrad_hf.optim.fused_linear import ForgeEmbeddingFunction, ForgeLinearFunction
 
 _ATTR = "_memgrad_forge"
+_KEY = "_memgrad_forge_key"  # the optimizer's key for the compiled path's operator (memgrad_hf.optim.forge_ops)
+
+
+_FP16_AUTOCAST = (
+    "FORGE optimizers do not train under fp16 autocast: its GradScaler scales the loss, and FORGE applies the update "
+    "inside backward, before the scaler could unscale or skip it. Use bf16 autocast (torch.autocast(..., "
+    "dtype=torch.bfloat16); no scaler needed), or torch.optim.AdamW with the scaler."
+)
 
 
 def _optimizer_of(module: nn.Module, weight: torch.Tensor | None) -> Any:
@@ -26,7 +34,26 @@ def _optimizer_of(module: nn.Module, weight: torch.Tensor | None) -> Any:
     return opt
 
 
+def _compiled_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer inside ``torch.compile``: one opaque operator the graph keeps (``memgrad::forge_linear``), where the
+    eager path's autograd Function would break the graph; the operator checks at run time what the eager path checks
+    here (see :mod:`memgrad_hf.optim.forge_ops`)."""
+    params = self._parameters
+    weight, bias = params.get("weight"), params.get("bias")
+    if not torch.is_grad_enabled() or weight is None or not weight.requires_grad:
+        return nn.Linear.forward(self, x)
+    dev = x.device.type
+    dt = None
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        if dt == torch.float16:
+            raise ValueError(_FP16_AUTOCAST)
+    return torch.ops.memgrad.forge_linear(x, weight, bias, self.__dict__[_KEY], dt)
+
+
 def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _compiled_forward(self, x)
     # runs once per layer and step: on a GPU at small batch the host's time per layer is the step's time (the
     # parameters are read from _parameters: nn.Module.__getattr__ costs ~0.6 µs a lookup)
     params = self._parameters
@@ -38,11 +65,7 @@ def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         if dt == torch.float16 and torch.is_grad_enabled():
-            raise ValueError(
-                "FORGE optimizers do not train under fp16 autocast: its GradScaler scales the loss, and FORGE applies "
-                "the update inside backward, before the scaler could unscale or skip it. Use bf16 autocast "
-                "(torch.autocast(..., dtype=torch.bfloat16); no scaler needed), or torch.optim.AdamW with the scaler."
-            )
+            raise ValueError(_FP16_AUTOCAST)
         with torch.autocast(dev, enabled=False):  # the Function casts itself; autocast would hand it a weight copy
             out = ForgeLinearFunction.apply(x, weight, bias, opt, dt)
     else:
@@ -56,6 +79,10 @@ def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def _forge_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     weight = self._parameters.get("weight")
+    if torch.compiler.is_compiling():  # (see _compiled_forward)
+        if not torch.is_grad_enabled() or weight is None or not weight.requires_grad:
+            return nn.Embedding.forward(self, ids)
+        return torch.ops.memgrad.forge_embedding(ids, weight, self.padding_idx, self.__dict__[_KEY])
     opt = _optimizer_of(self, weight)
     if opt is None:
         return nn.Embedding.forward(self, ids)
@@ -88,6 +115,7 @@ def swap_linears(model: nn.Module, optimizer: Any, weights: set[int]) -> list[nn
         if "forward" in module.__dict__ and not hasattr(module, _ATTR):
             continue  # someone else (e.g. the chunked head capture) owns this forward right now
         setattr(module, _ATTR, weakref.ref(optimizer))
+        module.__dict__[_KEY] = optimizer._op_key
         module.forward = types.MethodType(fwd, module)
         swapped.append(module)
     return swapped
@@ -97,4 +125,5 @@ def restore_linears(modules: list[nn.Module]) -> None:
     for module in modules:
         if hasattr(module, _ATTR):
             delattr(module, _ATTR)
+            module.__dict__.pop(_KEY, None)
             module.__dict__.pop("forward", None)

@@ -1,0 +1,204 @@
+"""FORGE's linear layer as two custom operators, for models run under ``torch.compile``.
+
+Eager training runs :class:`~memgrad_hf.optim.fused_linear.ForgeLinearFunction`, whose context holds the optimizer:
+dynamo cannot trace that (nor the optimizer's bookkeeping in its backward), so a compiled model broke its graph at
+every fused layer (a 2-layer tiny Llama: 20 graphs). Under compilation the layer calls ``memgrad::forge_linear``
+instead, an opaque operator the compiled graph keeps: its forward is the layer's GEMM, and its backward calls
+``memgrad::forge_linear_backward``, which computes ``dX`` with the old weight and then runs the same fused update as
+the eager path (:func:`~memgrad_hf.optim.fused_linear.linear_backward`). The backward operator is registered as
+having ordered side effects, so the compiler neither drops it (the first layer's ``dX`` is often unused) nor moves
+it. The optimizer is found by an integer key (:func:`register`): an operator takes tensors and plain values only.
+
+The operators count each fused weight's uses not yet back-propagated (the eager path keeps the layer's autograd
+node instead), so that a weight used twice before one backward (a layer called twice, two forwards and one loss) is
+found and its parts summed before one update, as in eager mode.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.library import EffectType, custom_op, register_autograd
+
+from memgrad_hf.optim.fused_linear import embedding_backward, linear_backward, linear_forward
+
+_OPTIMIZERS: dict[int, weakref.ref] = {}
+_KEYS = itertools.count()
+
+
+def register(opt: Any) -> int:
+    """The key the operators find ``opt`` by (a weak reference: the key does not keep it alive)."""
+    key = next(_KEYS)
+    _OPTIMIZERS[key] = weakref.ref(opt, lambda _, k=key: _OPTIMIZERS.pop(k, None))
+    return key
+
+
+def _optimizer(key: int) -> Any:
+    ref = _OPTIMIZERS.get(key)
+    opt = ref() if ref is not None else None
+    if opt is None:
+        raise RuntimeError("memgrad_hf: a compiled FORGE layer's optimizer no longer exists (it was deleted or "
+                           "detached while the compiled model still ran with it): call torch._dynamo.reset() or "
+                           "compile the model again.")
+    return opt
+
+
+@custom_op("memgrad::forge_linear", mutates_args=())
+def forge_linear(x: Tensor, weight: Tensor, bias: Tensor | None, key: int,
+                 dtype: torch.dtype | None) -> Tensor:
+    """``F.linear(x, weight, bias)`` in ``dtype`` (None: the weight's)."""
+    with torch.autocast(x.device.type, enabled=False):  # (the op casts itself, as the eager Function does)
+        out, _, _ = linear_forward(x, weight, bias, dtype)
+    opt = _optimizer(key)
+    if weight in opt._fused:
+        opt._note_compiled_use(weight)
+    return out
+
+
+@forge_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, key: int, dtype: torch.dtype | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=dtype or weight.dtype)
+
+
+@custom_op("memgrad::forge_linear_backward", mutates_args=())
+def forge_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, key: int, dtype: torch.dtype | None,
+                          need_dx: bool, bias_dtype: torch.dtype | None) -> list[Tensor]:
+    """``[dX, db]`` (an empty tensor for what is not needed) after the fused update of ``weight``."""
+    opt = _optimizer(key)
+    if weight not in opt._fused:  # a deep copy of the model (EMA, reference) or a weight swapped in since: plain
+        return _plain_backward(dy, x, weight, dtype, need_dx, bias_dtype)
+    opt._compiled_use_done(weight)
+    dt = dtype or weight.dtype
+    xc = x if x.dtype == dt else x.to(dt)
+    dx, dw, db = linear_backward(opt, dy, xc, weight, bias_dtype, dt, need_dx, True,
+                                 lambda: _accumulates(weight, opt))
+    if dw is not None:
+        _check_accumulates(weight, opt)
+        opt._compiled_weight_grad(weight, dw)
+    if dx is not None and dx.dtype != x.dtype:
+        dx = dx.to(x.dtype)
+    empty = dy.new_empty(0)
+    return [empty if dx is None else dx, empty if db is None else db]
+
+
+@forge_linear_backward.register_fake
+def _(dy: Tensor, x: Tensor, weight: Tensor, key: int, dtype: torch.dtype | None, need_dx: bool,
+      bias_dtype: torch.dtype | None) -> list[Tensor]:
+    dx = x.new_empty(x.shape) if need_dx else dy.new_empty(0)
+    db = dy.new_empty(weight.shape[0], dtype=bias_dtype) if bias_dtype is not None else dy.new_empty(0)
+    return [dx, db]
+
+
+# side effects (the weight and optimizer state change): the compiler must keep the call, in order
+torch.library._register_effectful_op(forge_linear_backward._opoverload, EffectType.ORDERED)
+
+
+def _plain_backward(dy: Tensor, x: Tensor, weight: Tensor, dtype: torch.dtype | None, need_dx: bool,
+                    bias_dtype: torch.dtype | None) -> list[Tensor]:
+    """What autograd does for ``nn.Linear``: ``dW`` into ``weight.grad``."""
+    dt = dtype or weight.dtype
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    if _accumulates(weight):
+        dw = (dy2.t() @ x.reshape(-1, x.shape[-1]).to(dt)).to(weight.dtype)
+        weight.grad = dw if weight.grad is None else weight.grad + dw
+    dx = (dy @ weight.to(dt)).to(x.dtype) if need_dx else dy.new_empty(0)
+    return [dx, dy2.sum(0).to(bias_dtype) if bias_dtype is not None else dy.new_empty(0)]
+
+
+@custom_op("memgrad::forge_embedding", mutates_args=())
+def forge_embedding(ids: Tensor, weight: Tensor, padding_idx: int | None, key: int) -> Tensor:
+    """``F.embedding(ids, weight, padding_idx)``: the embedding counterpart of :func:`forge_linear`."""
+    out = torch.nn.functional.embedding(ids, weight, padding_idx)
+    opt = _optimizer(key)
+    if weight in opt._fused:
+        opt._note_compiled_use(weight)
+    return out
+
+
+@forge_embedding.register_fake
+def _(ids: Tensor, weight: Tensor, padding_idx: int | None, key: int) -> Tensor:
+    return weight.new_empty(*ids.shape, weight.shape[1])
+
+
+@custom_op("memgrad::forge_embedding_backward", mutates_args=())
+def forge_embedding_backward(dy: Tensor, ids: Tensor, weight: Tensor, key: int,
+                             padding_idx: int | None) -> Tensor:
+    """The fused update of an embedding's ``weight``; returns an empty tensor (the operator's effect is the update)."""
+    opt = _optimizer(key)
+    if weight not in opt._fused:  # (see forge_linear_backward)
+        if _accumulates(weight):
+            pad = -1 if padding_idx is None else padding_idx
+            dw = torch.ops.aten.embedding_dense_backward(dy.to(weight.dtype), ids, weight.shape[0], pad, False)
+            weight.grad = dw if weight.grad is None else weight.grad + dw
+        return dy.new_empty(0)
+    opt._compiled_use_done(weight)
+    dw = embedding_backward(opt, dy, ids, weight, padding_idx, lambda: _accumulates(weight, opt))
+    if dw is not None:
+        _check_accumulates(weight, opt)
+        opt._compiled_weight_grad(weight, dw)
+    return dy.new_empty(0)
+
+
+@forge_embedding_backward.register_fake
+def _(dy: Tensor, ids: Tensor, weight: Tensor, key: int, padding_idx: int | None) -> Tensor:
+    return dy.new_empty(0)
+
+
+torch.library._register_effectful_op(forge_embedding_backward._opoverload, EffectType.ORDERED)
+
+
+def _setup_embedding(ctx: Any, inputs: tuple, output: tuple) -> None:
+    ids, weight, padding_idx, key = inputs
+    ctx.save_for_backward(ids, weight)
+    ctx.key, ctx.padding_idx = key, padding_idx
+
+
+def _backward_embedding(ctx: Any, dout: Tensor) -> tuple:
+    ids, weight = ctx.saved_tensors
+    torch.ops.memgrad.forge_embedding_backward(dout, ids, weight, ctx.key, ctx.padding_idx)
+    return None, None, None, None
+
+
+register_autograd(forge_embedding, _backward_embedding, setup_context=_setup_embedding)
+
+
+def _check_accumulates(weight: Tensor, opt: Any) -> None:
+    if not _accumulates(weight, opt):
+        raise RuntimeError(
+            "memgrad_hf: torch.autograd.grad (or backward(inputs=...) without the weights) through a FORGE layer of a "
+            "compiled model is not supported: the compiled graph cannot return the weight gradient. Run that model "
+            "uncompiled, or detach the optimizer (optimizer.detach()) for that computation.")
+
+
+def _accumulates(weight: Tensor, opt: Any = None) -> bool:
+    """Whether the running backward accumulates into ``weight`` (false under ``torch.autograd.grad``). Its gradient
+    accumulator was found when the optimizer attached (an operator runs below autograd: no view gets a node here)."""
+    node = getattr(opt, "_grad_nodes", {}).get(weight)
+    if node is None:
+        return True
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return False
+
+
+def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, weight, bias, key, dtype = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.key, ctx.dtype = key, dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx: Any, dout: Tensor) -> tuple:
+    x, weight = ctx.saved_tensors
+    need_dx, need_db = ctx.needs_input_grad[0], ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+    dx, db = torch.ops.memgrad.forge_linear_backward(dout, x, weight, ctx.key, ctx.dtype, need_dx,
+                                                     ctx.bias_dtype if need_db else None)
+    return (dx if need_dx else None), None, (db if need_db else None), None, None
+
+
+register_autograd(forge_linear, _backward, setup_context=_setup)

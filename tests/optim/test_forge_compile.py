@@ -1,0 +1,131 @@
+"""FORGE under torch.compile: its layers are custom operators the compiled graph keeps (memgrad_hf.optim.forge_ops),
+and training stays the same training. The ``aot_eager`` backend runs the same graph capture and autograd
+partitioning as inductor without its code generation (seconds instead of ~30 s per model on this CPU); the Trainer
+test with inductor is in the slow set (tests/optim/test_forge_trainer.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from torch import nn
+
+from memgrad_hf.optim import ForgeAdamW
+from tests.tiny_models import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    dynamo.reset()
+    yield
+    dynamo.reset()
+
+
+def _ids(step: int) -> torch.Tensor:
+    return torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(step))
+
+
+def test_a_compiled_forge_model_has_the_graphs_of_the_stock_model():
+    """Before the operators every fused layer broke the graph (a 2-layer tiny Llama: 20 graphs against 1)."""
+    model = tiny_model("llama")
+    stock = copy.deepcopy(model)
+    ForgeAdamW(model.parameters(), model=model, lr=1e-3)
+    ids = _ids(0)
+    ours = dynamo.explain(lambda i: model(input_ids=i, labels=i).loss)(ids)
+    dynamo.reset()
+    theirs = dynamo.explain(lambda i: stock(input_ids=i, labels=i).loss)(ids)
+    assert ours.graph_count == theirs.graph_count == 1, (ours.graph_count, ours.break_reasons)
+    ops = {n.target for g in ours.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert {torch.ops.memgrad.forge_linear, torch.ops.memgrad.forge_embedding} <= ops
+
+
+def _train_side_by_side(model, steps=3, max_grad_norm=0.0, micro_batches=1, tied=False):
+    ref = copy.deepcopy(model)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    compiled = torch.compile(model, backend="aot_eager")
+    norms = []
+    for step in range(steps):
+        for mb in range(micro_batches):
+            ids = _ids(10 * step + mb)
+            opt.sync = mb == micro_batches - 1
+            compiled(input_ids=ids, labels=ids).loss.backward()
+            ref(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm or float("inf"))
+        norms.append((opt.last_grad_norm, float(norm)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return model, ref, norms
+
+
+def _assert_same(model, ref, rtol=1e-5):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is None, name  # the updates ran in backward
+        err = ((p - q).norm() / q.norm()).item()
+        assert err < rtol, (name, err)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0], ids=["no_clip", "exact_clip"])
+def test_compiled_forge_adamw_equals_adamw_torch(max_grad_norm):
+    model, ref, norms = _train_side_by_side(tiny_model("llama"), max_grad_norm=max_grad_norm)
+    _assert_same(model, ref)
+    for ours, theirs in norms:
+        assert ours == pytest.approx(theirs, rel=1e-5)
+
+
+def test_compiled_forge_with_gradient_accumulation_and_tied_weights():
+    model, ref, _ = _train_side_by_side(tiny_model("llama", tied=True), micro_batches=2)
+    _assert_same(model, ref)
+
+
+class _Twice(nn.Module):
+    """A layer called twice in one forward: its weight's gradient has two parts, summed before one update."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 16)
+        self.mid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 100, bias=False)
+
+    def forward(self, input_ids, labels):
+        h = self.mid(torch.tanh(self.mid(self.emb(input_ids))))
+        loss = nn.functional.cross_entropy(self.out(h).flatten(0, 1), labels.flatten())
+        return type("Out", (), {"loss": loss})()
+
+
+def test_compiled_layer_called_twice_is_updated_once_from_its_whole_gradient():
+    torch.manual_seed(0)
+    model, ref, _ = _train_side_by_side(_Twice())
+    _assert_same(model, ref)
+
+
+def test_a_compiled_deep_copy_trains_plainly_and_leaves_the_original_alone():
+    """An EMA / reference copy of a FORGE model carries its layers' operator key: its backward puts the gradient in
+    .grad (as nn.Linear's would) and updates nothing."""
+    model = tiny_model("llama")
+    ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    twin = copy.deepcopy(model)
+    before = copy.deepcopy(model.state_dict())
+    ids = _ids(0)
+    torch.compile(twin, backend="aot_eager")(input_ids=ids, labels=ids).loss.backward()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert all(torch.equal(v, twin.state_dict()[k]) for k, v in before.items())
+    ref = copy.deepcopy(twin)
+    for p in ref.parameters():
+        p.grad = None
+    ref(input_ids=ids, labels=ids).loss.backward()
+    for (name, p), q in zip(twin.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_autograd_grad_through_a_compiled_forge_layer_is_refused():
+    model = tiny_model("llama")
+    ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    ids = _ids(0)
+    loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
+    with pytest.raises(RuntimeError, match="autograd.grad .* compiled model is not supported"):
+        torch.autograd.grad(loss, [model.model.layers[0].mlp.up_proj.weight])
