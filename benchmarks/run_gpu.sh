@@ -71,7 +71,8 @@ for part in $parts; do
       timeout -k 5 90 python -m benchmarks.titans --device cuda --repeats 5 --kernel-shapes 2>&1 \
         | tee "$out/titans-layer.md" || status=1 ;;
     next)  # the next session's call (after run G): compiled checks, issue 5's medians with the inference dispatch,
-      # and the host cost of one Triton launch and of FORGE's Python per layer (issue 3), < 9.5 minutes in all
+      # the host cost of one Triton launch and of FORGE's Python per layer, and FORGE under torch.compile, whose
+      # layers are graph operators since 2026-11-27 (was a graph break per layer; issue 3), < 9.5 minutes in all
       { rc=0
         timeout -k 5 60 python tests/optim/_triton_twin_check.py cuda || rc=1
         timeout -k 5 50 python tests/titans/_triton_twin_check.py cuda || rc=1
@@ -83,7 +84,7 @@ for part in $parts; do
         timeout -k 5 60 python -m benchmarks.forge_host --device cuda; } 2>&1 | tee "$out/launch.md" || status=1
       timeout -k 5 150 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion adamw_torch_fused+compile \
-        forge_lion+compile 2>&1 | tee "$out/forge-compile.md" || status=1 ;;
+        forge_lion+compile forge_adamw+bf16_state+compile 2>&1 | tee "$out/forge-compile.md" || status=1 ;;
     confirm)  # a second short call: GRPO with more repeats, the Titans kernel table at every shape, the head at 128256
       timeout -k 5 70 python -m benchmarks.grpo --device cuda --repeats 30 --peers trl memgrad 2>&1 \
         | tee "$out/grpo-confirm.md" || status=1

@@ -74,11 +74,11 @@ def forge_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, key: int, dtype
     opt._compiled_use_done(weight)
     dt = dtype or weight.dtype
     xc = x if x.dtype == dt else x.to(dt)
+    _refuse_hooks(weight)
     dx, dw, db = linear_backward(opt, dy, xc, weight, bias_dtype, dt, need_dx, True,
                                  lambda: _accumulates(weight, opt))
     if dw is not None:
-        _check_accumulates(weight, opt)
-        opt._compiled_weight_grad(weight, dw)
+        _weight_grad(opt, weight, dw)
     if dx is not None and dx.dtype != x.dtype:
         dx = dx.to(x.dtype)
     empty = dy.new_empty(0)
@@ -136,10 +136,10 @@ def forge_embedding_backward(dy: Tensor, ids: Tensor, weight: Tensor, key: int,
             weight.grad = dw if weight.grad is None else weight.grad + dw
         return dy.new_empty(0)
     opt._compiled_use_done(weight)
+    _refuse_hooks(weight)
     dw = embedding_backward(opt, dy, ids, weight, padding_idx, lambda: _accumulates(weight, opt))
     if dw is not None:
-        _check_accumulates(weight, opt)
-        opt._compiled_weight_grad(weight, dw)
+        _weight_grad(opt, weight, dw)
     return dy.new_empty(0)
 
 
@@ -166,12 +166,26 @@ def _backward_embedding(ctx: Any, dout: Tensor) -> tuple:
 register_autograd(forge_embedding, _backward_embedding, setup_context=_setup_embedding)
 
 
-def _check_accumulates(weight: Tensor, opt: Any) -> None:
+def _refuse_hooks(weight: Tensor) -> None:
+    # (dynamo does not see a parameter's hooks when it traces the layer: checked here, at run time, before torch runs
+    # the hook on the weight's gradient, which the compiled graph leaves undefined)
+    if weight._backward_hooks:
+        raise RuntimeError(
+            "memgrad_hf: a gradient hook (Tensor.register_hook) on a weight that FORGE updates inside backward is not "
+            "supported under torch.compile: the compiled graph hands the hook no gradient. Run the model uncompiled "
+            "(the eager FORGE layer runs such a weight's layer plainly and applies the hooked gradient), or remove "
+            "the hook.")
+
+
+def _weight_grad(opt: Any, weight: Tensor, dw: Tensor) -> None:
+    """A weight gradient the backward operator could not apply (it has other parts): into ``.grad``, applied when
+    the backward ends."""
     if not _accumulates(weight, opt):
         raise RuntimeError(
             "memgrad_hf: torch.autograd.grad (or backward(inputs=...) without the weights) through a FORGE layer of a "
             "compiled model is not supported: the compiled graph cannot return the weight gradient. Run that model "
             "uncompiled, or detach the optimizer (optimizer.detach()) for that computation.")
+    opt._compiled_weight_grad(weight, dw)
 
 
 def _accumulates(weight: Tensor, opt: Any = None) -> bool:

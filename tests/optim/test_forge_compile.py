@@ -41,7 +41,7 @@ def test_a_compiled_forge_model_has_the_graphs_of_the_stock_model():
     assert {torch.ops.memgrad.forge_linear, torch.ops.memgrad.forge_embedding} <= ops
 
 
-def _train_side_by_side(model, steps=3, max_grad_norm=0.0, micro_batches=1, tied=False):
+def _train_side_by_side(model, steps=3, max_grad_norm=0.0, micro_batches=1):
     ref = copy.deepcopy(model)
     opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -80,6 +80,16 @@ def test_compiled_forge_adamw_equals_adamw_torch(max_grad_norm):
 def test_compiled_forge_with_gradient_accumulation_and_tied_weights():
     model, ref, _ = _train_side_by_side(tiny_model("llama", tied=True), micro_batches=2)
     _assert_same(model, ref)
+
+
+def test_a_gradient_hook_on_a_compiled_fused_weight_is_refused():
+    model = tiny_model("llama")
+    model.model.layers[0].mlp.up_proj.weight.register_hook(lambda g: g * 0.5)
+    ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    ids = _ids(0)
+    loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
+    with pytest.raises(RuntimeError, match="gradient hook .* not supported under torch.compile"):
+        loss.backward()
 
 
 class _Twice(nn.Module):
