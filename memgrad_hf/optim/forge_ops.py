@@ -68,17 +68,13 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, key: int, dtype: torch.dty
 def forge_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, key: int, dtype: torch.dtype | None,
                           need_dx: bool, bias_dtype: torch.dtype | None) -> list[Tensor]:
     """``[dX, db]`` (an empty tensor for what is not needed) after the fused update of ``weight``."""
-    opt = _optimizer(key)
-    if weight not in opt._fused:  # a deep copy of the model (EMA, reference) or a weight swapped in since: plain
-        return _plain_backward(dy, x, weight, dtype, need_dx, bias_dtype)
-    opt._compiled_use_done(weight)
-    dt = dtype or weight.dtype
+    opt, dt = _optimizer(key), dtype or weight.dtype
+    fused = _begin_backward(opt, weight)
     xc = x if x.dtype == dt else x.to(dt)
-    _refuse_hooks(weight)
     dx, dw, db = linear_backward(opt, dy, xc, weight, bias_dtype, dt, need_dx, True,
-                                 lambda: _accumulates(weight, opt))
+                                 (lambda: _accumulates(weight, opt)) if fused else (lambda: False))
     if dw is not None:
-        _weight_grad(opt, weight, dw)
+        _weight_grad(opt, weight, dw, fused)
     if dx is not None and dx.dtype != x.dtype:
         dx = dx.to(x.dtype)
     empty = dy.new_empty(0)
@@ -95,18 +91,6 @@ def _(dy: Tensor, x: Tensor, weight: Tensor, key: int, dtype: torch.dtype | None
 
 # side effects (the weight and optimizer state change): the compiler must keep the call, in order
 torch.library._register_effectful_op(forge_linear_backward._opoverload, EffectType.ORDERED)
-
-
-def _plain_backward(dy: Tensor, x: Tensor, weight: Tensor, dtype: torch.dtype | None, need_dx: bool,
-                    bias_dtype: torch.dtype | None) -> list[Tensor]:
-    """What autograd does for ``nn.Linear``: ``dW`` into ``weight.grad``."""
-    dt = dtype or weight.dtype
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    if _accumulates(weight):
-        dw = (dy2.t() @ x.reshape(-1, x.shape[-1]).to(dt)).to(weight.dtype)
-        weight.grad = dw if weight.grad is None else weight.grad + dw
-    dx = (dy @ weight.to(dt)).to(x.dtype) if need_dx else dy.new_empty(0)
-    return [dx, dy2.sum(0).to(bias_dtype) if bias_dtype is not None else dy.new_empty(0)]
 
 
 @custom_op("memgrad::forge_embedding", mutates_args=())
@@ -129,17 +113,11 @@ def forge_embedding_backward(dy: Tensor, ids: Tensor, weight: Tensor, key: int,
                              padding_idx: int | None) -> Tensor:
     """The fused update of an embedding's ``weight``; returns an empty tensor (the operator's effect is the update)."""
     opt = _optimizer(key)
-    if weight not in opt._fused:  # (see forge_linear_backward)
-        if _accumulates(weight):
-            pad = -1 if padding_idx is None else padding_idx
-            dw = torch.ops.aten.embedding_dense_backward(dy.to(weight.dtype), ids, weight.shape[0], pad, False)
-            weight.grad = dw if weight.grad is None else weight.grad + dw
-        return dy.new_empty(0)
-    opt._compiled_use_done(weight)
-    _refuse_hooks(weight)
-    dw = embedding_backward(opt, dy, ids, weight, padding_idx, lambda: _accumulates(weight, opt))
+    fused = _begin_backward(opt, weight)
+    dw = embedding_backward(opt, dy, ids, weight, padding_idx,
+                            (lambda: _accumulates(weight, opt)) if fused else (lambda: False))
     if dw is not None:
-        _weight_grad(opt, weight, dw)
+        _weight_grad(opt, weight, dw, fused)
     return dy.new_empty(0)
 
 
@@ -166,20 +144,30 @@ def _backward_embedding(ctx: Any, dout: Tensor) -> tuple:
 register_autograd(forge_embedding, _backward_embedding, setup_context=_setup_embedding)
 
 
-def _refuse_hooks(weight: Tensor) -> None:
-    # (dynamo does not see a parameter's hooks when it traces the layer: checked here, at run time, before torch runs
-    # the hook on the weight's gradient, which the compiled graph leaves undefined)
+def _begin_backward(opt: Any, weight: Tensor) -> bool:
+    """Whether ``opt`` updates ``weight`` in this backward operator; False for a deep copy of the model (an EMA or
+    reference copy carries the layers' operator key) or a weight swapped in since: that layer back-propagates plainly
+    (its gradient is returned, and goes into ``.grad``, as ``nn.Linear``'s would)."""
+    if weight not in opt._fused:
+        return False
+    opt._compiled_use_done(weight)
+    # dynamo does not see a parameter's hooks when it traces the layer: checked here, at run time, before torch runs
+    # the hook on the weight's gradient, which the compiled graph leaves undefined
     if weight._backward_hooks:
         raise RuntimeError(
             "memgrad_hf: a gradient hook (Tensor.register_hook) on a weight that FORGE updates inside backward is not "
             "supported under torch.compile: the compiled graph hands the hook no gradient. Run the model uncompiled "
             "(the eager FORGE layer runs such a weight's layer plainly and applies the hooked gradient), or remove "
             "the hook.")
+    return True
 
 
-def _weight_grad(opt: Any, weight: Tensor, dw: Tensor) -> None:
-    """A weight gradient the backward operator could not apply (it has other parts): into ``.grad``, applied when
-    the backward ends."""
+def _weight_grad(opt: Any, weight: Tensor, dw: Tensor, fused: bool) -> None:
+    """A weight gradient the backward operator did not apply: for a weight ``opt`` fuses (its gradient has other
+    parts), into ``.grad`` and applied when the backward ends; else into ``.grad``, as autograd would put it."""
+    if not fused:
+        weight.grad = dw if weight.grad is None else weight.grad + dw
+        return
     if not _accumulates(weight, opt):
         raise RuntimeError(
             "memgrad_hf: torch.autograd.grad (or backward(inputs=...) without the weights) through a FORGE layer of a "
@@ -188,10 +176,10 @@ def _weight_grad(opt: Any, weight: Tensor, dw: Tensor) -> None:
     opt._compiled_weight_grad(weight, dw)
 
 
-def _accumulates(weight: Tensor, opt: Any = None) -> bool:
+def _accumulates(weight: Tensor, opt: Any) -> bool:
     """Whether the running backward accumulates into ``weight`` (false under ``torch.autograd.grad``). Its gradient
     accumulator was found when the optimizer attached (an operator runs below autograd: no view gets a node here)."""
-    node = getattr(opt, "_grad_nodes", {}).get(weight)
+    node = opt._grad_nodes.get(weight)
     if node is None:
         return True
     try:

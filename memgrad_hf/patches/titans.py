@@ -354,7 +354,7 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if seen != past:
                 raise ValueError(
                     f"Titans memory on layer {info.index}: the cache holds {past} tokens but the memory has seen "
-                    f"{entry.state.seq_index}; the cache was changed outside the model (cropped or edited)."
+                    f"{seen}; the cache was changed outside the model (cropped or edited)."
                 )
             state = entry.state
         entry = states[info.index] = _CachedState(None, _branch_heads(self))
