@@ -77,8 +77,8 @@ def forge_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, key: int, dtype
         _weight_grad(opt, weight, dw, fused)
     if dx is not None and dx.dtype != x.dtype:
         dx = dx.to(x.dtype)
-    empty = dy.new_empty(0)
-    return [empty if dx is None else dx, empty if db is None else db]
+    # (an operator's outputs may not alias each other: one empty tensor per absent result)
+    return [dy.new_empty(0) if dx is None else dx, dy.new_empty(0) if db is None else db]
 
 
 @forge_linear_backward.register_fake

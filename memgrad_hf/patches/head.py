@@ -355,6 +355,9 @@ def _require_whole(weight: torch.Tensor, owner: str) -> None:
         )
 
 
+# opaque to torch.compile as a whole, as linear_cross_entropy is: the FORGE consumer it builds is Python bookkeeping
+# (sets of parameters) that dynamo would break the graph inside of
+@torch.compiler.disable
 def _chunked_cross_entropy(head: nn.Module, cap: _Capture, patch: HeadPatch, chain: Chain, hidden: torch.Tensor,
                            targets: torch.Tensor, **loss_kwargs: Any) -> torch.Tensor:
     h, weight, bias, softcap, scale = head_operands(head, hidden, cap.owner, chain, cap.linear)

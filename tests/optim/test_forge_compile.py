@@ -41,6 +41,24 @@ def test_a_compiled_forge_model_has_the_graphs_of_the_stock_model():
     assert {torch.ops.memgrad.forge_linear, torch.ops.memgrad.forge_embedding} <= ops
 
 
+def test_a_compiled_forge_model_with_the_chunked_head_breaks_only_where_the_head_does():
+    """The chunked head is opaque to torch.compile (one break, with or without FORGE); FORGE's consumer of the head
+    weight's gradient used to be traced up to a set of parameters and break there instead."""
+    import memgrad_hf
+
+    counts = []
+    for forge in (False, True):
+        dynamo.reset()
+        model = memgrad_hf.patch_model(tiny_model("llama"))
+        if forge:
+            ForgeAdamW(model.parameters(), model=model, lr=1e-3)
+        ex = dynamo.explain(lambda i, m=model: m(input_ids=i, labels=i).loss)(_ids(0))
+        counts.append((ex.graph_count, ex.graph_break_count))
+        stacks = [f.filename for r in ex.break_reasons for f in r.user_stack]
+        assert not any(f.endswith("optim/forge.py") for f in stacks), stacks
+    assert counts[0] == counts[1] == (2, 1), counts
+
+
 def _train_side_by_side(model, steps=3, max_grad_norm=0.0, micro_batches=1):
     ref = copy.deepcopy(model)
     opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm)
@@ -139,3 +157,39 @@ def test_autograd_grad_through_a_compiled_forge_layer_is_refused():
     loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
     with pytest.raises(RuntimeError, match="autograd.grad .* compiled model is not supported"):
         torch.autograd.grad(loss, [model.model.layers[0].mlp.up_proj.weight])
+
+
+def test_compiled_forge_on_lora_equals_adamw_torch():
+    """LoRA on a frozen model: the first adapter's input needs no gradient and it has no bias, so its backward
+    operator returns neither ``dX`` nor ``db`` (two absent results once came back as one tensor, which torch's
+    operator checks refuse)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                           lora_dropout=0.0, init_lora_weights="gaussian"))
+    model, ref, _ = _train_side_by_side(model, max_grad_norm=1.0)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n, _ in trainable)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        err = ((p - q).norm() / q.norm()).item()
+        assert err < 1e-5, (name, err)
+        assert p.grad is None, name
+
+
+def test_compiled_first_layer_without_input_gradient_or_bias():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=0.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend="aot_eager")
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        compiled(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
