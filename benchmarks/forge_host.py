@@ -9,6 +9,7 @@ a stack of ``--layers`` tiny linear layers (their compute is negligible), so a s
 cost per layer. FORGE's update kernels (the Triton kernels on a GPU, their torch twins on CPU) are no-ops here: what
 remains is the Python around them; one Triton launch each is measured by ``benchmarks.launch_overhead`` (GPU).
 Exact clipping (``+clip``) runs for real: its norm pass and the replay's bookkeeping are part of the cost.
+``+compile`` runs the model under ``torch.compile`` (inductor; the first, compiling, runs are warm-up).
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from torch import Tensor, nn
 
 from benchmarks.harness import Case, machine, time_interleaved, versions
 
-_PEERS = {  # name: (optimizer, max_grad_norm)
-    "adamw_torch_fused": ("adamw_torch_fused", 0.0),
-    "adamw_torch_fused+clip": ("adamw_torch_fused", 1.0),
-    "forge_adamw": ("forge_adamw", 0.0),
-    "forge_adamw+clip": ("forge_adamw", 1.0),
+_PEERS = {  # name: (optimizer, max_grad_norm, torch.compile)
+    "adamw_torch_fused": ("adamw_torch_fused", 0.0, False),
+    "adamw_torch_fused+clip": ("adamw_torch_fused", 1.0, False),
+    "forge_adamw": ("forge_adamw", 0.0, False),
+    "forge_adamw+clip": ("forge_adamw", 1.0, False),
+    # the model under torch.compile (inductor): FORGE's layers are custom operators there (memgrad_hf.optim.forge_ops)
+    "adamw_torch_fused+compile": ("adamw_torch_fused", 0.0, True),
+    "forge_adamw+compile": ("forge_adamw", 0.0, True),
 }
 
 
@@ -58,7 +62,7 @@ def _update_kernels_stubbed():
             setattr(mod, name, fn)
 
 
-def _setup(device: str, optim: str, max_grad_norm: float, layers: int, width: int, steps: int) -> dict:
+def _setup(device: str, optim: str, max_grad_norm: float, compile: bool, layers: int, width: int, steps: int) -> dict:
     from memgrad_hf.optim import ForgeAdamW
 
     torch.manual_seed(0)
@@ -70,8 +74,8 @@ def _setup(device: str, optim: str, max_grad_norm: float, layers: int, width: in
     x = torch.randn(2, width, device=device)
     forge = optim == "forge_adamw"
     # a loss computed outside the model reaches FORGE's exact clipping through opt.backward (the Trainer's hook)
-    return dict(model=model, opt=opt, x=x, backward=opt.backward if forge else Tensor.backward,
-                clip=0.0 if forge else max_grad_norm, steps=steps)
+    return dict(model=torch.compile(model) if compile else model, opt=opt, x=x,
+                backward=opt.backward if forge else Tensor.backward, clip=0.0 if forge else max_grad_norm, steps=steps)
 
 
 def _run(s: dict) -> None:
@@ -94,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="training steps per timed run")
     p.add_argument("--repeats", type=int, default=15)
     a = p.parse_args(argv)
-    cases = [Case(name, _setup, _run, dict(optim=o, max_grad_norm=c, layers=a.layers, width=a.width, steps=a.steps))
-             for name, (o, c) in _PEERS.items()]
+    cases = [Case(name, _setup, _run, dict(optim=o, max_grad_norm=c, compile=comp, layers=a.layers, width=a.width,
+                                           steps=a.steps))
+             for name, (o, c, comp) in _PEERS.items()]
     with _update_kernels_stubbed():
         res = time_interleaved(cases, device=a.device, repeats=a.repeats, warmup=2)
     per = a.layers * a.steps / 1e6  # seconds per run -> µs per layer and step

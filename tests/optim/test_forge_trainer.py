@@ -126,6 +126,38 @@ def test_exact_clipping_replay_equals_adamw_torch_and_skips_non_finite_steps(tmp
     opt.detach()
 
 
+@pytest.mark.parametrize("room", [1 << 30, 0, 3 * 512], ids=["ample", "none", "three_tiles"])
+def test_the_replay_reads_the_memory_headroom_only_when_the_room_read_is_used_up(monkeypatch, room):
+    """A headroom read is host time per layer (a GPU's step at batch 1 waits on it): one read per norm pass while it
+    lasts, each kept layer charged twice its gradient's bytes, and after a read without room the next ones after 1,
+    2, 4, ... more layers. What is kept never changes the update (the tests above force each path)."""
+    from memgrad_hf.optim import forge
+
+    reads, kept = [], []
+    monkeypatch.setattr(forge, "_headroom", lambda device: reads.append(device) or room)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(16)])  # 256 B per weight
+    ref = copy.deepcopy(model)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=1e-3)
+    may_keep = opt._may_keep
+    monkeypatch.setattr(opt, "_may_keep", lambda w: kept.append(may_keep(w)) or kept[-1])
+    x = torch.randn(4, 8)
+    opt.backward(model(x).square().mean())
+    opt.step()
+    if room == 1 << 30:
+        assert (len(reads), sum(kept)) == (1, 16)
+    elif room == 0:  # read at layers 1, 3, 6, 11 of 16
+        assert (len(reads), sum(kept)) == (4, 0)
+    else:  # three layers' tiles per read (each charged 512 B of the 1536)
+        assert (len(reads), kept) == (6, [True, True, True] * 5 + [True])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref(x).square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
 def test_head_grad_auto_holds_only_small_heads_on_the_torch_path(monkeypatch):
     # "auto": hold the head gradient where its fp32 buffer is no larger than recomputing's own blocks (torch path)
     from memgrad_hf.optim import forge
