@@ -81,7 +81,8 @@ for part in $parts; do
       timeout -k 5 140 python -m benchmarks.titans --device cuda --repeats 15 --layers --kernel-shapes 48x128x64x256 \
         8x128x64x256 8x128x128x512 8x128x256x1024 2>&1 | tee "$out/titans-kernels.md" || status=1
       { timeout -k 5 40 python -m benchmarks.launch_overhead
-        timeout -k 5 60 python -m benchmarks.forge_host --device cuda; } 2>&1 | tee "$out/launch.md" || status=1
+        timeout -k 5 80 python -m benchmarks.forge_host --device cuda --configs adamw_torch_fused forge_adamw \
+          adamw_torch_fused+compile forge_adamw+compile; } 2>&1 | tee "$out/launch.md" || status=1
       timeout -k 5 150 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion adamw_torch_fused+compile \
         forge_lion+compile forge_adamw+bf16_state+compile 2>&1 | tee "$out/forge-compile.md" || status=1 ;;
