@@ -31,6 +31,8 @@ _PEERS = {  # name: (optimizer, max_grad_norm, torch.compile)
     # the model under torch.compile (inductor): FORGE's layers are custom operators there (memgrad_hf.optim.forge_ops)
     "adamw_torch_fused+compile": ("adamw_torch_fused", 0.0, True),
     "forge_adamw+compile": ("forge_adamw", 0.0, True),
+    "adamw_torch_fused+clip+compile": ("adamw_torch_fused", 1.0, True),
+    "forge_adamw+clip+compile": ("forge_adamw", 1.0, True),
 }
 
 

@@ -116,7 +116,7 @@ def test_bench_forge_host_runs_through_the_cli(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = [line for line in out.splitlines() if line.startswith(("| adamw_torch_fused", "| forge_adamw"))]
-    assert len(rows) == 6 and "failed" not in out, out
+    assert len(rows) == 8 and "failed" not in out, out
 
 
 def test_bench_forge_runs_through_the_cli(capsys):
