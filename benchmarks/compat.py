@@ -393,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --forge: under reentrant gradient checkpointing (both models)")
     p.add_argument("--lora", action="store_true",
                    help="with --forge: a PEFT LoRA adapter on every linear layer trains instead of the model")
+    p.add_argument("--compile", action="store_true",
+                   help="with --forge: FORGE's model under torch.compile (aot_eager backend), the reference eager")
     p.add_argument("--task", choices=sorted(TASKS), default="causal-lm",
                    help="the model class swept (default causal-lm): seq2seq (encoder-decoders), masked-lm, seq-cls "
                         "(sequence classification: --forge only, it has no LM head)")
@@ -452,7 +454,7 @@ def _sweep(a: argparse.Namespace) -> int:
                 results[fam] = (status.replace("exact", "close") if a.bf16 else status), detail
             elif a.forge:
                 results[fam] = check_forge(fam, a.vision, checkpointing=a.checkpointing, logprobs=a.logprobs,
-                                           lora=a.lora, task=a.task, bf16=a.bf16)
+                                           lora=a.lora, task=a.task, bf16=a.bf16, compile=a.compile)
             else:
                 results[fam] = check(fam, a.vision, a.logprobs, a.task, a.bf16)
         except _Timeout:

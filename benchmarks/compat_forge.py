@@ -12,7 +12,7 @@ from benchmarks.compat import _batch, _enable_checkpointing, _tiny, _tiny_vision
 
 def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm: float = 0.05,
                 checkpointing: bool = False, logprobs: bool = False, lora: bool = False,
-                task: str = "causal-lm", bf16: bool = False) -> tuple[str, str]:
+                task: str = "causal-lm", bf16: bool = False, compile: bool = False) -> tuple[str, str]:
     """``ForgeAdamW`` (exact clipping on: ``max_grad_norm`` below the tiny models' gradient norms) on a
     ``patch_model``ed model (the unpatched one where the head is refused) in a hand-written loop, against
     ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the unpatched model: every parameter after ``steps`` steps
@@ -28,7 +28,8 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
     torch's bf16 AdamW rounds after every op, so "close" means the updates of all parameters together within 10%
     (relative L2, where the updates are not decided by rounding; ~2-4% on llama, gemma2, mamba, where memgrad's
     head alone leaves torch's bf16 run bit-identical or 1e-2 apart) and no parameter that torch moves left in place
-    (see :func:`_bf16_update_differs`)."""
+    (see :func:`_bf16_update_differs`). ``compile``: FORGE's model runs under ``torch.compile`` (``aot_eager``: the
+    graph capture and autograd partitioning of inductor, without its code generation), the reference eagerly."""
     import memgrad_hf
     from memgrad_hf.optim import ForgeAdamW
 
@@ -99,13 +100,16 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
             add_fused_lm_head(model, outputs=("log_probs",))
         opt = ForgeAdamW([p for p in model.parameters() if p.requires_grad], model=model,
                          max_grad_norm=max_grad_norm, **hp)
+        if compile:
+            torch._dynamo.reset()  # (each family afresh: dynamo's recompile limit counts per code object)
+        run = torch.compile(model, backend="aot_eager") if compile else model
         for _ in range(steps):
             torch.manual_seed(1)
             if logprobs:  # a loss computed outside the model, as TRL's: through the optimizer's backward
-                lp = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+                lp = run(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
                 opt.backward(-(lp * mask).sum() / mask.sum())
             else:
-                model(**batch).loss.backward()
+                run(**batch).loss.backward()
             opt.step()
             opt.zero_grad()
 
@@ -120,10 +124,11 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
         return "unsupported", str(e)[:110]
     except Exception as e:
         return "ERROR", f"{type(e).__name__}: {str(e)[:100]}"
+    base = model.get_base_model() if lora else model
+    label = f"{type(base).__name__} ({how}{', LoRA' if lora else ''}{', compiled' if compile else ''}"
     if bf16:
         why, rel = _bf16_update_differs(model, ref, start)
-        base = model.get_base_model() if lora else model
-        detail = f"{type(base).__name__} ({how}{', LoRA' if lora else ''}; updates {rel:.0e} apart"
+        detail = f"{label}; updates {rel:.0e} apart"
         if why:
             # The control: torch's AdamW on the model FORGE trained (memgrad's head). Where FORGE is close to that run
             # and that run is as far from stock, the distance is the head's bf16 rounding, amplified by Adam (whose
@@ -154,8 +159,7 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
             return "untested", (f"chaotic: stock training from weights moved by 1e-7 ends {drift / scale:.0e} away "
                                 f"(memgrad {worst / scale:.0e})")
         return "MISMATCH", f"{name}: {worst / scale:.1e} of the largest weight"
-    base = model.get_base_model() if lora else model
-    return "exact", f"{type(base).__name__} ({how}{', LoRA' if lora else ''}; {worst / scale:.0e})"
+    return "exact", f"{label}; {worst / scale:.0e})"
 
 
 _BF16_EPS = torch.finfo(torch.bfloat16).eps  # a bf16 spacing, relative

@@ -283,7 +283,7 @@ class ForgeOptimizer(Optimizer):
         self._norm_pass_seen = False
         self._attached = False
         self._unhooked: list[Tensor] = []
-        self._op_key = forge_ops.register(self)  # how a compiled model's FORGE layers find this optimizer
+        forge_ops.register(self)  # how a compiled model's FORGE layers find this optimizer
         self._compiled_pending: set[Tensor] = set()
         self._compiled_uses: dict[Tensor, int] = {}  # weight -> its compiled layer's uses not back-propagated yet
         self.attach()

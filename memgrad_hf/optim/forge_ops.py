@@ -7,7 +7,9 @@ instead, an opaque operator the compiled graph keeps: its forward is the layer's
 ``memgrad::forge_linear_backward``, which computes ``dX`` with the old weight and then runs the same fused update as
 the eager path (:func:`~memgrad_hf.optim.fused_linear.linear_backward`). The backward operator is registered as
 having ordered side effects, so the compiler neither drops it (the first layer's ``dX`` is often unused) nor moves
-it. The optimizer is found by an integer key (:func:`register`): an operator takes tensors and plain values only.
+it. The operators take no optimizer: one is found at run time as the live FORGE optimizer that updates the weight
+passed in (:func:`register`), so the compiled graph is the same whichever optimizer trains the model (a second
+``Trainer`` on the same model, another optimizer's configuration) and inductor's graph cache serves it again.
 
 The operators count each fused weight's uses not yet back-propagated (the eager path keeps the layer's autograd
 node instead), so that a weight used twice before one backward (a layer called twice, two forwards and one loss) is
@@ -26,7 +28,7 @@ from torch.library import EffectType, Library, register_autograd, register_fake
 
 from memgrad_hf.optim.fused_linear import embedding_backward, linear_backward, linear_forward
 
-_OPTIMIZERS: dict[int, weakref.ref] = {}
+_OPTIMIZERS: dict[int, weakref.ref] = {}  # the live FORGE optimizers, in the order they were created
 _KEYS = itertools.count()
 # Defined through torch.library.Library rather than @custom_op: each call of a @custom_op runs ~6 µs more Python
 # (its input checks and wrappers; 9.0 against 2.9 µs per call on this CPU), and a compiled step calls two per fused
@@ -43,48 +45,48 @@ def _define(schema: str, impl: Any, fake: Any) -> Any:
     return getattr(torch.ops.memgrad, name).default
 
 
-def register(opt: Any) -> int:
-    """The key the operators find ``opt`` by (a weak reference: the key does not keep it alive)."""
+def register(opt: Any) -> None:
+    """Make ``opt`` findable by the operators, for as long as it lives (a weak reference)."""
     key = next(_KEYS)
     _OPTIMIZERS[key] = weakref.ref(opt, lambda _, k=key: _OPTIMIZERS.pop(k, None))
-    return key
 
 
-def _optimizer(key: int) -> Any:
-    ref = _OPTIMIZERS.get(key)
-    opt = ref() if ref is not None else None
-    if opt is None:
-        raise RuntimeError("memgrad_hf: a compiled FORGE layer's optimizer no longer exists (it was deleted or "
-                           "detached while the compiled model still ran with it): call torch._dynamo.reset() or "
-                           "compile the model again.")
-    return opt
+def _owner(weight: Tensor) -> Any:
+    """The FORGE optimizer that updates ``weight`` (the newest, as the layer's eager forward takes the optimizer that
+    swapped it last), or None: a deep copy's weight (an EMA or reference copy of the model), or an optimizer deleted
+    or detached since. Such a layer back-propagates plainly into ``.grad``, as ``nn.Linear`` would."""
+    for ref in reversed(list(_OPTIMIZERS.values())):
+        opt = ref()
+        if opt is not None and weight in opt._fused:
+            return opt
+    return None
 
 
-def _forge_linear(x: Tensor, weight: Tensor, bias: Tensor | None, key: int, dtype: torch.dtype | None) -> Tensor:
+def _forge_linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype | None) -> Tensor:
     """``F.linear(x, weight, bias)`` in ``dtype`` (None: the weight's)."""
     if torch.is_autocast_enabled(x.device.type):  # (the op casts itself, as the eager Function does)
         with torch.autocast(x.device.type, enabled=False):
             out, _, _ = linear_forward(x, weight, bias, dtype)
     else:
         out, _, _ = linear_forward(x, weight, bias, dtype)
-    opt = _optimizer(key)
-    if weight in opt._fused:
+    opt = _owner(weight)
+    if opt is not None:
         opt._note_compiled_use(weight)
     return out
 
 
-def _forge_linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None, key: int, dtype: torch.dtype | None) -> Tensor:
+def _forge_linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype | None) -> Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=dtype or weight.dtype)
 
 
-forge_linear = _define("forge_linear(Tensor x, Tensor weight, Tensor? bias, int key, ScalarType? dtype) -> Tensor",
+forge_linear = _define("forge_linear(Tensor x, Tensor weight, Tensor? bias, ScalarType? dtype) -> Tensor",
                        _forge_linear, _forge_linear_fake)
 
 
-def _forge_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, key: int, dtype: torch.dtype | None, need_dx: bool,
+def _forge_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, dtype: torch.dtype | None, need_dx: bool,
                            bias_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
     """``(dX, db)`` (an empty tensor for what is not needed) after the fused update of ``weight``."""
-    opt, dt = _optimizer(key), dtype or weight.dtype
+    opt, dt = _owner(weight), dtype or weight.dtype
     fused = _begin_backward(opt, weight)
     xc = x if x.dtype == dt else x.to(dt)
     dx, dw, db = linear_backward(opt, dy, xc, weight, bias_dtype, dt, need_dx, True,
@@ -97,40 +99,40 @@ def _forge_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, key: int, dtyp
     return (dy.new_empty(0) if dx is None else dx), (dy.new_empty(0) if db is None else db)
 
 
-def _forge_linear_backward_fake(dy: Tensor, x: Tensor, weight: Tensor, key: int, dtype: torch.dtype | None,
-                                need_dx: bool, bias_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+def _forge_linear_backward_fake(dy: Tensor, x: Tensor, weight: Tensor, dtype: torch.dtype | None, need_dx: bool,
+                                bias_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
     dx = x.new_empty(x.shape) if need_dx else dy.new_empty(0)
     db = dy.new_empty(weight.shape[0], dtype=bias_dtype) if bias_dtype is not None else dy.new_empty(0)
     return dx, db
 
 
 forge_linear_backward = _define(
-    "forge_linear_backward(Tensor dy, Tensor x, Tensor weight, int key, ScalarType? dtype, bool need_dx, "
+    "forge_linear_backward(Tensor dy, Tensor x, Tensor weight, ScalarType? dtype, bool need_dx, "
     "ScalarType? bias_dtype) -> (Tensor, Tensor)", _forge_linear_backward, _forge_linear_backward_fake)
 # side effects (the weight and optimizer state change): the compiler must keep the call, in order
 torch.library._register_effectful_op(forge_linear_backward, EffectType.ORDERED)
 
 
-def _forge_embedding(ids: Tensor, weight: Tensor, padding_idx: int | None, key: int) -> Tensor:
+def _forge_embedding(ids: Tensor, weight: Tensor, padding_idx: int | None) -> Tensor:
     """``F.embedding(ids, weight, padding_idx)``: the embedding counterpart of ``forge_linear``."""
     out = torch.nn.functional.embedding(ids, weight, padding_idx)
-    opt = _optimizer(key)
-    if weight in opt._fused:
+    opt = _owner(weight)
+    if opt is not None:
         opt._note_compiled_use(weight)
     return out
 
 
-def _forge_embedding_fake(ids: Tensor, weight: Tensor, padding_idx: int | None, key: int) -> Tensor:
+def _forge_embedding_fake(ids: Tensor, weight: Tensor, padding_idx: int | None) -> Tensor:
     return weight.new_empty(*ids.shape, weight.shape[1])
 
 
-forge_embedding = _define("forge_embedding(Tensor ids, Tensor weight, int? padding_idx, int key) -> Tensor",
+forge_embedding = _define("forge_embedding(Tensor ids, Tensor weight, int? padding_idx) -> Tensor",
                           _forge_embedding, _forge_embedding_fake)
 
 
-def _forge_embedding_backward(dy: Tensor, ids: Tensor, weight: Tensor, key: int, padding_idx: int | None) -> Tensor:
+def _forge_embedding_backward(dy: Tensor, ids: Tensor, weight: Tensor, padding_idx: int | None) -> Tensor:
     """The fused update of an embedding's ``weight``; returns an empty tensor (the operator's effect is the update)."""
-    opt = _optimizer(key)
+    opt = _owner(weight)
     fused = _begin_backward(opt, weight)
     dw = embedding_backward(opt, dy, ids, weight, padding_idx,
                             (lambda: _accumulates(weight, opt)) if fused else (lambda: False))
@@ -140,33 +142,33 @@ def _forge_embedding_backward(dy: Tensor, ids: Tensor, weight: Tensor, key: int,
 
 
 forge_embedding_backward = _define(
-    "forge_embedding_backward(Tensor dy, Tensor ids, Tensor weight, int key, int? padding_idx) -> Tensor",
-    _forge_embedding_backward, lambda dy, ids, weight, key, padding_idx: dy.new_empty(0))
+    "forge_embedding_backward(Tensor dy, Tensor ids, Tensor weight, int? padding_idx) -> Tensor",
+    _forge_embedding_backward, lambda dy, ids, weight, padding_idx: dy.new_empty(0))
 
 
 torch.library._register_effectful_op(forge_embedding_backward, EffectType.ORDERED)
 
 
 def _setup_embedding(ctx: Any, inputs: tuple, output: tuple) -> None:
-    ids, weight, padding_idx, key = inputs
+    ids, weight, padding_idx = inputs
     ctx.save_for_backward(ids, weight)
-    ctx.key, ctx.padding_idx = key, padding_idx
+    ctx.padding_idx = padding_idx
 
 
 def _backward_embedding(ctx: Any, dout: Tensor) -> tuple:
     ids, weight = ctx.saved_tensors
-    forge_embedding_backward(dout, ids, weight, ctx.key, ctx.padding_idx)
-    return None, None, None, None
+    forge_embedding_backward(dout, ids, weight, ctx.padding_idx)
+    return None, None, None
 
 
 register_autograd("memgrad::forge_embedding", _backward_embedding, setup_context=_setup_embedding, lib=_LIB)
 
 
 def _begin_backward(opt: Any, weight: Tensor) -> bool:
-    """Whether ``opt`` updates ``weight`` in this backward operator; False for a deep copy of the model (an EMA or
-    reference copy carries the layers' operator key) or a weight swapped in since: that layer back-propagates plainly
-    (its gradient is returned, and goes into ``.grad``, as ``nn.Linear``'s would)."""
-    if weight not in opt._fused:
+    """Whether ``opt`` (:func:`_owner`) updates ``weight`` in this backward operator; False where no optimizer
+    does (a deep copy of the model): that layer back-propagates plainly (its gradient is returned, and goes into
+    ``.grad``, as ``nn.Linear``'s would)."""
+    if opt is None:
         return False
     opt._compiled_use_done(weight)
     # dynamo does not see a parameter's hooks when it traces the layer: checked here, at run time, before torch runs
@@ -207,18 +209,18 @@ def _accumulates(weight: Tensor, opt: Any) -> bool:
 
 
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, weight, bias, key, dtype = inputs
+    x, weight, bias, dtype = inputs
     ctx.save_for_backward(x, weight)
-    ctx.key, ctx.dtype = key, dtype
+    ctx.dtype = dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _backward(ctx: Any, dout: Tensor) -> tuple:
     x, weight = ctx.saved_tensors
     need_dx, need_db = ctx.needs_input_grad[0], ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-    dx, db = forge_linear_backward(dout, x, weight, ctx.key, ctx.dtype, need_dx,
+    dx, db = forge_linear_backward(dout, x, weight, ctx.dtype, need_dx,
                                                      ctx.bias_dtype if need_db else None)
-    return (dx if need_dx else None), None, (db if need_db else None), None, None
+    return (dx if need_dx else None), None, (db if need_db else None), None
 
 
 register_autograd("memgrad::forge_linear", _backward, setup_context=_setup, lib=_LIB)

@@ -76,7 +76,7 @@ def linear_backward(opt: Any, dy: Tensor, x: Tensor, weight: Tensor, db_dtype: A
     dw = None
     if need_dw:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if weight in opt._shared or not accumulates():
+        if not accumulates() or weight in opt._shared:  # (no optimizer where nothing accumulates: forge_ops)
             dw = (dy2.t() @ x2).to(weight.dtype)
         else:
             opt._linear_weight_backward(weight, dy2, x2)
@@ -106,7 +106,7 @@ def embedding_backward(opt: Any, dy: Tensor, ids: Tensor, weight: Tensor, paddin
     """The fused embedding's update from ``dy``; its dense weight gradient is returned instead where the update
     cannot run here (as :func:`linear_backward`'s ``dW``)."""
     _refuse_create_graph()
-    if weight in opt._shared or not accumulates():
+    if not accumulates() or weight in opt._shared:
         pad = -1 if padding_idx is None else padding_idx
         return torch.ops.aten.embedding_dense_backward(dy.to(weight.dtype), ids, weight.shape[0], pad, False)
     opt._embedding_weight_backward(weight, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]), padding_idx)

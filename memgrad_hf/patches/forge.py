@@ -12,7 +12,6 @@ from torch import nn
 from memgrad_hf.optim.fused_linear import ForgeEmbeddingFunction, ForgeLinearFunction
 
 _ATTR = "_memgrad_forge"
-_KEY = "_memgrad_forge_key"  # the optimizer's key for the compiled path's operator (memgrad_hf.optim.forge_ops)
 
 
 _FP16_AUTOCAST = (
@@ -48,7 +47,7 @@ def _compiled_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         dt = torch.get_autocast_dtype(dev)
         if dt == torch.float16:
             raise ValueError(_FP16_AUTOCAST)
-    return torch.ops.memgrad.forge_linear(x, weight, bias, self.__dict__[_KEY], dt)
+    return torch.ops.memgrad.forge_linear(x, weight, bias, dt)
 
 
 def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +81,7 @@ def _forge_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Ten
     if torch.compiler.is_compiling():  # (see _compiled_forward)
         if not torch.is_grad_enabled() or weight is None or not weight.requires_grad:
             return nn.Embedding.forward(self, ids)
-        return torch.ops.memgrad.forge_embedding(ids, weight, self.padding_idx, self.__dict__[_KEY])
+        return torch.ops.memgrad.forge_embedding(ids, weight, self.padding_idx)
     opt = _optimizer_of(self, weight)
     if opt is None:
         return nn.Embedding.forward(self, ids)
@@ -115,7 +114,6 @@ def swap_linears(model: nn.Module, optimizer: Any, weights: set[int]) -> list[nn
         if "forward" in module.__dict__ and not hasattr(module, _ATTR):
             continue  # someone else (e.g. the chunked head capture) owns this forward right now
         setattr(module, _ATTR, weakref.ref(optimizer))
-        module.__dict__[_KEY] = optimizer._op_key
         module.forward = types.MethodType(fwd, module)
         swapped.append(module)
     return swapped
@@ -125,5 +123,4 @@ def restore_linears(modules: list[nn.Module]) -> None:
     for module in modules:
         if hasattr(module, _ATTR):
             delattr(module, _ATTR)
-            module.__dict__.pop(_KEY, None)
             module.__dict__.pop("forward", None)

@@ -132,8 +132,8 @@ def test_compiled_layer_called_twice_is_updated_once_from_its_whole_gradient():
 
 
 def test_a_compiled_deep_copy_trains_plainly_and_leaves_the_original_alone():
-    """An EMA / reference copy of a FORGE model carries its layers' operator key: its backward puts the gradient in
-    .grad (as nn.Linear's would) and updates nothing."""
+    """An EMA / reference copy of a FORGE model runs the operators too, but no optimizer updates its weights: its
+    backward puts the gradient in .grad (as nn.Linear's would) and updates nothing."""
     model = tiny_model("llama")
     ForgeAdamW(model.parameters(), model=model, lr=1e-2)
     twin = copy.deepcopy(model)
@@ -193,3 +193,28 @@ def test_compiled_first_layer_without_input_gradient_or_bias():
             o.zero_grad()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_the_compiled_graph_does_not_depend_on_the_optimizer():
+    """A second optimizer on the same model (a second Trainer, another configuration) gets the same graph, which
+    inductor's graph cache then serves again; the optimizer is found by the weight at run time. (The operators took
+    an optimizer key once: each optimizer compiled a graph of its own.)"""
+    model = tiny_model("llama")
+    ids = _ids(0)
+    codes, weights = [], []
+
+    def backend(gm, inputs):
+        codes.append(gm.code)
+        return gm
+
+    for opt_cls, kw in ((ForgeAdamW, dict(lr=1e-2)), (ForgeAdamW, dict(lr=1e-3, weight_decay=0.1))):
+        dynamo.reset()
+        opt = opt_cls(model.parameters(), model=model, **kw)
+        before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
+        torch.compile(model, backend=backend)(input_ids=ids, labels=ids).loss.backward()
+        weights.append(not torch.equal(before, model.model.layers[0].mlp.up_proj.weight))
+        opt.step()
+        opt.zero_grad()
+        opt.detach()
+    assert len(codes) == 2 and codes[0] == codes[1]
+    assert weights == [True, True]  # each optimizer updated the weights in its backward
