@@ -218,8 +218,7 @@ def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
 def _backward(ctx: Any, dout: Tensor) -> tuple:
     x, weight = ctx.saved_tensors
     need_dx, need_db = ctx.needs_input_grad[0], ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-    dx, db = forge_linear_backward(dout, x, weight, ctx.dtype, need_dx,
-                                                     ctx.bias_dtype if need_db else None)
+    dx, db = forge_linear_backward(dout, x, weight, ctx.dtype, need_dx, ctx.bias_dtype if need_db else None)
     return (dx if need_dx else None), None, (db if need_db else None), None
 
 
