@@ -65,17 +65,21 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
         lp = logits.log_softmax(-1).gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
         return -(lp * mask).sum() / mask.sum()
 
-    def train_ref(m: torch.nn.Module, perturb: float = 0.0) -> None:
-        """torch's AdamW + clip_grad_norm_; ``perturb``: the weights are first scaled by 1 + perturb·N(0, 1)."""
+    def train_ref(m: torch.nn.Module, perturb: float = 0.0, compiled: bool = False) -> None:
+        """torch's AdamW + clip_grad_norm_; ``perturb``: the weights are first scaled by 1 + perturb·N(0, 1);
+        ``compiled``: the model under torch.compile (aot_eager)."""
         if perturb:
             gen = torch.Generator().manual_seed(5)
             with torch.no_grad():
                 for p in m.parameters():
                     p.mul_(1 + perturb * torch.randn(p.shape, generator=gen))
         opt_ref = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], **hp)
+        if compiled:
+            torch._dynamo.reset()
+        run = torch.compile(m, backend="aot_eager") if compiled else m
         for _ in range(steps):
             torch.manual_seed(1)
-            ref_loss(m).backward()
+            ref_loss(run).backward()
             torch.nn.utils.clip_grad_norm_(m.parameters(), max_grad_norm)
             opt_ref.step()
             opt_ref.zero_grad()
@@ -149,6 +153,18 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
     scale = max(p.abs().max().item() for p in ref.parameters())
     worst, name = max(((p - q).abs().max().item(), n) for (n, p), q in
                       zip(model.named_parameters(), ref.parameters(), strict=True))
+    if worst > 1e-5 * scale and compile:
+        # The control: the stock run compiled. Where compiling changes the model's own training (its random ops draw
+        # differently: big_bird), FORGE compiled is compared with that.
+        train_ref(control, compiled=True)
+        drift = max((p - q).abs().max().item() for p, q in zip(control.parameters(), ref.parameters(), strict=True))
+        if drift > 1e-5 * scale:
+            ours = max((p - q).abs().max().item() for p, q in zip(model.parameters(), control.parameters(),
+                                                                  strict=True))
+            if ours > 1e-5 * scale:
+                return "MISMATCH", f"{name}: {ours / scale:.1e} of the largest weight from stock compiled"
+            return "exact", (f"{label}; {ours / scale:.0e} from stock compiled, which is {drift / scale:.0e} from "
+                             "stock eager)")
     if worst > 1e-5 * scale:
         # The control: the stock run from weights moved by 1e-7 (relative, rounding-sized). Where that moves the
         # result past the tolerance too, the model's own training is chaotic at this size (a top-1 router's

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.library import EffectType, Library, register_autograd, register_fake
 
+from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.optim.fused_linear import embedding_backward, linear_backward, linear_forward
 
 _OPTIMIZERS: dict[int, weakref.ref] = {}  # the live FORGE optimizers, in the order they were created
@@ -62,6 +63,23 @@ def _owner(weight: Tensor) -> Any:
     return None
 
 
+def _note_use(weight: Tensor) -> None:
+    """A forward operator's use of ``weight``, counted by its optimizer (none: a deep copy's weight). A weight that
+    is not a parameter here was replaced inside the compiled graph: the model changes the weight's ``.data`` in its
+    forward (Gemma 3n's AltUp clamps ``prediction_coefs.weight.data``), which compilation turns into a new tensor.
+    The parameter cannot be found from it, and its gradient would be lost: refused."""
+    opt = _owner(weight)
+    if opt is not None:
+        opt._note_compiled_use(weight)
+    elif not isinstance(weight, torch.nn.Parameter):
+        raise UnsupportedModelError(
+            f"memgrad_hf: a FORGE layer (weight of shape {tuple(weight.shape)}) received its weight under "
+            "torch.compile as a tensor computed in the compiled graph, not as the parameter: the model changes the "
+            "weight's .data in its forward (as Gemma 3n's AltUp clamps prediction_coefs.weight.data), which "
+            "compilation turns into a new tensor. FORGE cannot update the parameter from there. Train this model "
+            "uncompiled with FORGE (torch_compile=False), or compiled with a torch optimizer.")
+
+
 def _forge_linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype | None) -> Tensor:
     """``F.linear(x, weight, bias)`` in ``dtype`` (None: the weight's)."""
     if torch.is_autocast_enabled(x.device.type):  # (the op casts itself, as the eager Function does)
@@ -69,9 +87,7 @@ def _forge_linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.d
             out, _, _ = linear_forward(x, weight, bias, dtype)
     else:
         out, _, _ = linear_forward(x, weight, bias, dtype)
-    opt = _owner(weight)
-    if opt is not None:
-        opt._note_compiled_use(weight)
+    _note_use(weight)
     return out
 
 
@@ -116,9 +132,7 @@ torch.library._register_effectful_op(forge_linear_backward, EffectType.ORDERED)
 def _forge_embedding(ids: Tensor, weight: Tensor, padding_idx: int | None) -> Tensor:
     """``F.embedding(ids, weight, padding_idx)``: the embedding counterpart of ``forge_linear``."""
     out = torch.nn.functional.embedding(ids, weight, padding_idx)
-    opt = _owner(weight)
-    if opt is not None:
-        opt._note_compiled_use(weight)
+    _note_use(weight)
     return out
 
 

@@ -12,6 +12,7 @@ import torch
 import torch._dynamo as dynamo
 from torch import nn
 
+from memgrad_hf import UnsupportedModelError
 from memgrad_hf.optim import ForgeAdamW
 from tests.tiny_models import tiny_model
 
@@ -218,3 +219,40 @@ def test_the_compiled_graph_does_not_depend_on_the_optimizer():
         opt.detach()
     assert len(codes) == 2 and codes[0] == codes[1]
     assert weights == [True, True]  # each optimizer updated the weights in its backward
+
+
+class _ClampsItsWeight(nn.Module):
+    """Changes a layer's weight through .data in forward, as Gemma 3n's AltUp clamps ``prediction_coefs``."""
+
+    def __init__(self):
+        super().__init__()
+        self.coefs = nn.Linear(8, 8, bias=False)
+        self.out = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        self.coefs.weight.data.clamp_(-0.2, 0.2)
+        return self.out(torch.tanh(self.coefs(x)))
+
+
+def test_a_weight_changed_through_data_in_a_compiled_forward_is_refused_not_lost():
+    """Compiled, the clamped weight reaches the layer as a new tensor: FORGE cannot find the parameter, and its
+    update would be lost silently (Gemma 3n under the compiled sweep). Eager FORGE trains it as torch does."""
+    torch.manual_seed(0)
+    model = _ClampsItsWeight()
+    ref = copy.deepcopy(model)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=0.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    with pytest.raises(UnsupportedModelError, match="changes the weight's .data in its forward"):
+        torch.compile(model, backend="aot_eager")(x).square().mean().backward()
+    dynamo.reset()
+    opt.zero_grad()
+    for step in range(2):
+        xs = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        model(xs).square().mean().backward()
+        ref(xs).square().mean().backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
