@@ -331,6 +331,8 @@ class ForgeOptimizer(Optimizer):
         self._unhooked = [p for p in self._group_index if not p.requires_grad]  # (see _hook_new)
         self._attached = True
         ForgeOptimizer._attached_now.add(self)
+        if self.needs_norm_pass and not self._replays_clip():
+            _allow_retained_compiled_backward()
         self._scanned = False  # (scan_uses runs once per attach)
         # A chunked LM head hands its weight gradient over in vocabulary blocks instead of building it.
         from memgrad_hf.patches.head import set_head_weight_consumer
@@ -570,7 +572,19 @@ class ForgeOptimizer(Optimizer):
             with retain_head_grads():
                 with torch.enable_grad():  # (a backward runs without grad mode: the root needs a graph node)
                     root = _NormRoot.apply(loss, self)
-                torch.autograd.backward(root, grad, retain_graph=True)
+                try:
+                    torch.autograd.backward(root, grad, retain_graph=True)
+                except RuntimeError as e:
+                    if "donated buffers" not in str(e):
+                        raise
+                    raise RuntimeError(
+                        "memgrad_hf: FORGE's exact clipping runs a norm-only backward before the update backward "
+                        "(clip_pass='backward', the default under gradient checkpointing), and this model was "
+                        "compiled with torch's donated buffers, which allow one backward only. It was compiled before "
+                        "the FORGE optimizer was created (which turns them off): create the optimizer first, or call "
+                        "torch._dynamo.reset() and run again, or set torch._functorch.config.donated_buffer = False "
+                        "before compiling; or pass clip_pass='replay' (one backward, more memory under "
+                        "checkpointing).") from e
         finally:
             self._end_norm()
 
@@ -1336,6 +1350,22 @@ class ForgeSGD(ForgeOptimizer):
         (``OneCycleLR(cycle_momentum=True)``, as on ``torch.optim.SGD``); a buffer created then starts at zero, which
         with ``dampening=0`` is torch's first momentum step."""
         return "sgd_momentum" if any(g.get("momentum", 0) != 0 for g in getattr(self, "param_groups", ())) else "sgd"
+
+
+def _allow_retained_compiled_backward() -> None:
+    """Exact clipping by a norm-only backward (``clip_pass="backward"``) back-propagates twice through one graph
+    (``retain_graph``), which a graph compiled with torch's donated buffers refuses (they free saved activations
+    during the first backward). Turned off for graphs compiled from now on, once per process, and logged: they
+    cost memory only inside a compiled backward, and only where training also checkpoints."""
+    try:
+        from torch._functorch import config as cfg
+    except ImportError:  # (no such torch internals: nothing to turn off)
+        return
+    if getattr(cfg, "donated_buffer", False):
+        cfg.donated_buffer = False
+        log.info("forge: exact clipping by a second backward (clip_pass='backward'): torch's donated buffers turned "
+                 "off for graphs compiled from now on (torch._functorch.config.donated_buffer = False), since a "
+                 "compiled graph with them allows one backward only.")
 
 
 def _headroom(device: torch.device) -> int | None:

@@ -19,9 +19,13 @@ from tests.tiny_models import tiny_model
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    from torch._functorch import config
+
+    donated = config.donated_buffer  # (FORGE's exact clipping by a second backward turns it off: restored)
     dynamo.reset()
     yield
     dynamo.reset()
+    config.donated_buffer = donated
 
 
 def _ids(step: int) -> torch.Tensor:
@@ -99,6 +103,43 @@ def test_compiled_forge_adamw_equals_adamw_torch(max_grad_norm):
 def test_compiled_forge_with_gradient_accumulation_and_tied_weights():
     model, ref, _ = _train_side_by_side(tiny_model("llama", tied=True), micro_batches=2)
     _assert_same(model, ref)
+
+
+def test_compiled_forge_with_checkpointing_accumulation_and_exact_clipping():
+    """Under gradient checkpointing exact clipping runs a norm-only backward, then the update backward, through one
+    graph: torch's donated buffers (on by default) refused the second ("compiled with non-empty donated buffers");
+    the optimizer turns them off for graphs compiled after it."""
+    from torch._functorch import config
+
+    config.donated_buffer = True
+    model = tiny_model("llama", tied=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    model, ref, norms = _train_side_by_side(model, max_grad_norm=0.05, micro_batches=2)
+    assert not config.donated_buffer
+    _assert_same(model, ref)
+    for ours, theirs in norms:
+        assert theirs > 0.05 and ours == pytest.approx(theirs, rel=1e-5)
+
+
+def test_a_graph_compiled_with_donated_buffers_before_forge_gets_a_clear_error(monkeypatch):
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=1.0)
+
+    backward = torch.autograd.backward
+
+    def compiled_before(tensors, grad_tensors=None, retain_graph=None, *args, **kwargs):  # what torch raises there
+        if retain_graph:  # for a graph compiled before the optimizer
+            raise RuntimeError("This backward function was compiled with non-empty donated buffers which requires "
+                               "create_graph=False and retain_graph=False.")
+        return backward(tensors, grad_tensors, retain_graph, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "backward", compiled_before)
+    ids = _ids(0)
+    with pytest.raises(RuntimeError, match="create the optimizer first"):
+        opt.backward(model(input_ids=ids, labels=ids).loss)
 
 
 def test_a_gradient_hook_on_a_compiled_fused_weight_is_refused():
