@@ -219,7 +219,7 @@ def versions() -> str:
     import platform
 
     parts = [f"python {platform.python_version()}"]
-    for pkg in ("torch", "transformers", "trl", "triton", "liger-kernel", "memgrad-hf"):
+    for pkg in ("torch", "transformers", "trl", "triton", "liger-kernel", "bitsandbytes", "memgrad-hf"):
         try:
             parts.append(f"{pkg} {md.version(pkg)}")
         except md.PackageNotFoundError:

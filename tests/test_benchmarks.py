@@ -221,3 +221,15 @@ def test_bench_compat_sweeps_other_model_classes(capsys):
     assert "| switch_transformers | untested | chaotic: stock training from weights moved by 1e-7" in out
     with pytest.raises(SystemExit):  # a classifier has no LM head to check
         cli.main(["bench", "compat", "--task", "seq-cls", "llama"])
+
+
+def test_bench_forge_drift_runs_through_the_cli(capsys):
+    rc = cli.main(["bench", "forge_drift", "--hidden", "64", "--layers", "1", "--seq", "16", "--batch", "2", "--steps",
+                   "4", "--configs", "forge_adamw", "forge_adamw+8bit_state"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    drift = {line.split("|")[1].strip(): float(line.split("|")[-2].split()[0]) for line in out.splitlines()
+             if line.startswith(("| adamw_torch |", "| forge_adamw"))}
+    assert set(drift) == {"adamw_torch", "forge_adamw", "forge_adamw+8bit_state"}, out
+    assert drift["adamw_torch"] == 0 and drift["forge_adamw"] < 1e-4  # fp32 state: float noise
+    assert 1e-4 < drift["forge_adamw+8bit_state"] < 1, out  # 8-bit state rounds, within its bound

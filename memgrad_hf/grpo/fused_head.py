@@ -98,23 +98,9 @@ def add_fused_lm_head(
         weight_device = next(head.parameters()).device
         hidden, targets = hidden.to(weight_device), targets.to(weight_device)
         mask = targets != -100
-        hidden, weight, bias, softcap, scale = head_operands(head, hidden, cap.owner, probe._chain, cap.linear)
-        # a patch_model()ed model: its chunk size and accumulator dtype, and a FORGE optimizer's block-wise update of
-        # the head weight (its gradient never exists), as in the patched model's own loss. Taken before the fp32 cast:
-        # the blocks of the copy's gradient are the weight's, in fp32 (autograd would round them to the weight dtype)
-        patch = head_patch(self)
-        settings = {} if patch is None else dict(chunk_size=patch.chunk_size, accum_dtype=patch.accum_dtype,
-                                                  weight_grad_consumer=head_weight_consumer(patch, head, weight, bias))
-        ctx = nullcontext()
-        if cast_lm_head_to_fp32:
-            hidden, weight = hidden.float(), weight.float()
-            bias = None if bias is None else bias.float()
-            ctx = torch.autocast(hidden.device.type, enabled=False)
         diag: dict | None = {} if want_diag else None
-        with ctx:
-            res = linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
-                                  logit_scale=scale, return_entropy=want_entropy, ignore_index=-100,
-                                  diagnostics=diag, **settings)
+        res = _fused_log_probs(self, head, cap, probe._chain, hidden, targets, temperature=temperature,
+                               cast_lm_head_to_fp32=cast_lm_head_to_fp32, want_entropy=want_entropy, diagnostics=diag)
         log_probs, entropy = res if want_entropy else (res, None)
         extra = {k: (diag[k] if k in want_diag else None) for k in ("log_sum_sq_probs", "mean_logits", "is_top1")}
         denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
@@ -130,6 +116,31 @@ def add_fused_lm_head(
                                    **extra)
 
     model.forward = types.MethodType(forward, model)
+
+
+# opaque to torch.compile as a whole, as the patched model's chunked loss is: the FORGE consumer of the head weight's
+# gradient it builds is Python bookkeeping (sets of parameters) that dynamo would otherwise trace into
+@torch.compiler.disable
+def _fused_log_probs(model: Any, head: torch.nn.Module, cap: Any, chain: Any, hidden: torch.Tensor,
+                     targets: torch.Tensor, *, temperature: float, cast_lm_head_to_fp32: bool, want_entropy: bool,
+                     diagnostics: dict | None) -> Any:
+    """:func:`linear_logprobs` of the head's operands (``head_operands``: its weight, bias and logit rewrites)."""
+    hidden, weight, bias, softcap, scale = head_operands(head, hidden, cap.owner, chain, cap.linear)
+    # a patch_model()ed model: its chunk size and accumulator dtype, and a FORGE optimizer's block-wise update of
+    # the head weight (its gradient never exists), as in the patched model's own loss. Taken before the fp32 cast:
+    # the blocks of the copy's gradient are the weight's, in fp32 (autograd would round them to the weight dtype)
+    patch = head_patch(model)
+    settings = {} if patch is None else dict(chunk_size=patch.chunk_size, accum_dtype=patch.accum_dtype,
+                                              weight_grad_consumer=head_weight_consumer(patch, head, weight, bias))
+    ctx = nullcontext()
+    if cast_lm_head_to_fp32:
+        hidden, weight = hidden.float(), weight.float()
+        bias = None if bias is None else bias.float()
+        ctx = torch.autocast(hidden.device.type, enabled=False)
+    with ctx:
+        return linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
+                               logit_scale=scale, return_entropy=want_entropy, ignore_index=-100,
+                               diagnostics=diagnostics, **settings)
 
 
 _TRL_MODULES = ("grpo_trainer", "rloo_trainer", "kto_trainer", "sft_trainer", "dpo_trainer")  # imported by patch_trl

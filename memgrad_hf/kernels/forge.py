@@ -170,8 +170,9 @@ def quantize_8bit(x: Tensor, seed: int | None = None, keep_positive: bool = Fals
 
     With ``seed`` the codes are rounded stochastically (unbiased: ``E[dequantize] = x`` for values in e4m3's normal
     range), else to nearest. Per element, ``|dequantize - x| <= 2^-4·|x| + 2^-10·scale`` (nearest) or
-    ``< 2^-3·|x| + 2^-9·scale`` (stochastic). ``keep_positive``: no value becomes code 0 (values below the smallest
-    code, 2^-9·scale, zeros included, get it) -- for a denominator, where a flush to zero would blow the update up.
+    ``< 2^-3·|x| + 2^-9·scale`` (stochastic). ``keep_positive``: no positive value becomes code 0 (values below the
+    smallest code, 2^-9·scale, get it; zeros stay 0) -- for a denominator, where a flush to zero would blow the update
+    up.
     The noise of element ``i`` hashes ``(seed, offset + i)``, as for bf16 (row blocks with their offsets equal one
     call on the whole)."""
     n = x.shape[-1]
@@ -181,8 +182,12 @@ def quantize_8bit(x: Tensor, seed: int | None = None, keep_positive: bool = Fals
     amax = xb.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / Q_MAX, torch.ones_like(amax))
     y = (xb / scale.unsqueeze(-1)).reshape(*x.shape[:-1], -1)[..., :n]
-    if keep_positive:  # one pass: zeros too get the smallest code (harmless for sqrt(v): m is 0 there)
-        y.clamp_(min=2.0**-9)
+    if keep_positive:
+        # positive values below the smallest code get it; exact zeros stay 0. (A zero given the smallest code, as
+        # once, is 2^-9 in absolute terms where a whole block is 0 (scale 1): an embedding row or a weight row whose
+        # gradient was 0 so far then starts with sqrt(v) ~ 2e-3, hundreds of times the sqrt(v) its first gradients
+        # give, and its updates stay suppressed for thousands of steps. v = 0 exactly has m = 0: update 0 either way.)
+        y = torch.where(y > 0, y.clamp(min=2.0**-9), y)
     if seed is not None:
         # add uniform noise below the 20 dropped mantissa bits (fp32 23 -> e4m3 3) and truncate: rounds up with
         # probability equal to the fraction; then the cast to e4m3 is exact (normal range)

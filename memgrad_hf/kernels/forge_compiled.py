@@ -88,8 +88,8 @@ def _quantize(x: Tensor, key: Tensor | None, keep_positive: bool) -> tuple[Tenso
     amax = x.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / K.Q_MAX, torch.ones_like(amax))
     y = x / scale[:, None]
-    if keep_positive:
-        y = y.clamp(min=2.0**-9)
+    if keep_positive:  # positive values get at least the smallest code; zeros stay 0
+        y = torch.where(y > 0, y.clamp(min=2.0**-9), y)
     if key is not None:
         y = _round_stochastic(y, key, 20)
     return y.to(K.Q_DTYPE), scale

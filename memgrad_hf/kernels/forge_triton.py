@@ -123,8 +123,8 @@ def _store_state(ptr, scale_ptr, offs, sblk, smask, mask, x, key, idx, KIND: tl.
             amax = tl.max(tl.reshape(ax, (BM, BN // QB, QB)), axis=2)
         s = tl.where(amax > 0, tl.div_rn(amax, 224.0), 1.0)
         y = tl.div_rn(x, _per_block(s, BM, BN, QB))
-        if IS_SQRT:  # keep_positive: no denominator flushes to code 0
-            y = tl.maximum(y, 0.001953125)
+        if IS_SQRT:  # keep_positive: no positive denominator flushes to code 0; zeros stay 0
+            y = tl.where(y > 0, tl.maximum(y, 0.001953125), y)
         if SR:
             y = _round_stochastic(y, _hash_bits(key, idx, 20), 20)
         tl.store(ptr + offs, _e4m3_encode(y), mask=mask)

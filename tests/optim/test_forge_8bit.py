@@ -48,6 +48,45 @@ def test_stochastic_8bit_rounding_is_unbiased_and_keep_positive_floors():
     assert (dequantize_8bit(*quantize_8bit(tiny))[0, 1:] == 0).all()
 
 
+@pytest.mark.parametrize("seed", [None, 7], ids=["nearest", "stochastic"])
+def test_keep_positive_keeps_zeros_zero_in_every_implementation(seed):
+    """sqrt(v) = 0 (no gradient yet) must stay 0: the smallest code of an all-zero block (scale 1) is 2^-9 in
+    absolute terms, far above the sqrt(v) of the small gradients that come later, and would hold their updates
+    back for thousands of steps. The eager path and the compiled CPU loop's quantizer alike."""
+    from memgrad_hf.kernels import forge_compiled as C
+
+    x = torch.tensor([[0.0] * 64, [1.0] + [0.0] * 31 + [1e-12] * 32])
+    deq = dequantize_8bit(*quantize_8bit(x, seed, keep_positive=True))
+    assert (deq[x == 0] == 0).all() and (deq[x > 0] > 0).all()
+    key = None if seed is None else torch.tensor(seed, dtype=torch.int32)
+    codes, scale = C._quantize(x, key, keep_positive=True)  # [blocks, Q_BLOCK] rows
+    deq = codes.float() * scale[:, None]
+    assert (deq[x == 0] == 0).all() and (deq[x > 0] > 0).all()
+
+
+def test_rows_whose_gradient_starts_late_move_as_with_fp32_state(monkeypatch):
+    """Embedding rows of tokens first seen at step 3: their 8-bit state was all zero until then. Their updates must
+    follow the fp32-state run's (a zero state once got the smallest code, 2^-9 absolute, as its sqrt(v): the first
+    updates of such rows came out ~100x too small)."""
+    monkeypatch.setattr(forge_mod, "_MIN_8BIT_NUMEL", 0)
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    opts = [ForgeAdamW(m.parameters(), model=m, lr=1e-3, state_dtype=dt)
+            for m, dt in ((model, "8bit"), (ref, torch.float32))]
+    early, late = torch.randint(1, 50, (4, 16)), torch.randint(50, 100, (4, 16))
+    start = model.get_input_embeddings().weight.detach().clone()
+    for ids in (early, early, late, late):
+        for m, o in zip((model, ref), opts, strict=True):
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+    rows = late.unique()
+    moved = (ref.get_input_embeddings().weight - start)[rows]
+    ours = (model.get_input_embeddings().weight - start)[rows]
+    assert moved.abs().mean() > 1e-3  # two AdamW steps of ~lr each
+    assert ((ours - moved).norm() / moved.norm()).item() < 0.1, ((ours - moved).norm() / moved.norm()).item()
+
+
 @pytest.mark.parametrize("lr", [1e-2, 1e-3])
 def test_8bit_state_stays_within_stated_bound_of_fp32_state(monkeypatch, lr):
     """Stated bound: m is kept to 2^-4 relative, sqrt(v) to 2^-3 (stochastic), so each AdamW step is within

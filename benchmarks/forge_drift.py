@@ -1,0 +1,131 @@
+"""How far reduced-precision optimizer state takes training from fp32 AdamW (``memgrad-hf bench forge_drift``).
+
+The same small Llama-style model, data and seed trained with HF ``Trainer`` under each optimizer; the table gives the
+optimizer state's size, the training loss along the way and, at the end, each run's distance from ``adamw_torch``'s
+weights relative to how far ``adamw_torch`` moved them (``‖W - W_ref‖ / ‖W_ref - W_0‖`` over all parameters). FORGE
+with fp32 state should sit at float noise; bf16 and 8-bit state (FORGE's, and bitsandbytes' ``adamw_bnb_8bit`` when
+installed) show what their rounding costs. Trained on the built-in text with a character tokenizer (no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from benchmarks.harness import machine, versions
+
+CONFIGS = {
+    "adamw_torch": dict(optim="adamw_torch"),
+    "forge_adamw": dict(optim="forge_adamw"),
+    "forge_adamw+bf16_state": dict(optim="forge_adamw", optim_args="state_dtype=bf16"),
+    "forge_adamw+8bit_state": dict(optim="forge_adamw", optim_args="state_dtype=8bit"),
+    "adamw_bnb_8bit": dict(optim="adamw_bnb_8bit"),  # needs bitsandbytes (its CPU build runs here)
+}
+
+
+def _model(hidden: int, layers: int, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875) // 16 * 16,
+                      num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1),
+                      num_key_value_heads=max(hidden // 64, 1), max_position_embeddings=256)
+    return LlamaForCausalLM(cfg)
+
+
+def train(config: str, *, hidden: int, layers: int, seq: int, batch: int, steps: int, lr: float,
+          max_grad_norm: float) -> dict:
+    """One run of ``config``: its losses per step, final weights and optimizer-state bytes."""
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    import memgrad_hf  # noqa: F401  (registers forge_*)
+    from memgrad_hf.offline import DEMO_TEXT, build_char_tokenizer, lm_blocks
+
+    hf_logging.set_verbosity_error()
+    tok = build_char_tokenizer()
+    model = _model(hidden, layers, len(tok))
+    data = lm_blocks(tok, DEMO_TEXT, seq, batch * steps)
+    start = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    losses: list[float] = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    args = TrainingArguments(output_dir="/tmp/memgrad_bench_forge_drift", max_steps=steps,
+                             per_device_train_batch_size=batch, learning_rate=lr, warmup_steps=steps // 10,
+                             weight_decay=0.01, max_grad_norm=max_grad_norm, logging_steps=1, save_strategy="no",
+                             report_to="none", use_cpu=True, disable_tqdm=True, seed=0, **CONFIGS[config])
+    t = Trainer(model=model, args=args, train_dataset=data, callbacks=[Losses()])
+    t.remove_callback(PrinterCallback)
+    t.train()
+    opt = getattr(t.optimizer, "optimizer", t.optimizer)
+    state_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                      if torch.is_tensor(v) and v.dim() > 0)
+    if hasattr(opt, "detach"):
+        opt.detach()
+    return {"losses": losses, "start": start, "state_mib": state_bytes / 2**20,
+            "weights": {k: v.detach().float().clone() for k, v in model.state_dict().items()}}
+
+
+def _distance(a: dict, b: dict) -> float:
+    return sum(float((a[k] - b[k]).double().square().sum()) for k in a) ** 0.5
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="memgrad-hf bench forge_drift", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(a.threads)
+    kw = dict(hidden=a.hidden, layers=a.layers, seq=a.seq, batch=a.batch, steps=a.steps, lr=a.lr,
+              max_grad_norm=a.max_grad_norm)
+    configs = ["adamw_torch", *(c for c in a.configs if c != "adamw_torch")]
+    print(f"# Trainer, Llama-style hidden {a.hidden} x {a.layers} layers, character vocabulary, {a.steps} steps of "
+          f"{a.batch}x{a.seq} tokens, lr {a.lr} (warmup 10%, linear decay), weight decay 0.01, max_grad_norm "
+          f"{a.max_grad_norm}, fp32 weights, cpu")
+    print(f"# {machine('cpu')}; {versions()}\n")
+    runs: dict[str, dict] = {}
+    for c in configs:
+        try:
+            runs[c] = train(c, **kw)
+        except Exception as e:  # a peer that cannot run here (bitsandbytes absent) is a row, not a crash
+            runs[c] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:160]}
+    ref = runs["adamw_torch"]
+    if "error" in ref:
+        print(f"adamw_torch failed: {ref['error']}")
+        return 1
+    marks = sorted({max(1, min(m, a.steps)) for m in (1, a.steps // 10, a.steps // 2, a.steps)})
+    moved = _distance(ref["weights"], ref["start"])  # how far adamw_torch moved the weights
+    head = " | ".join(f"loss @ {m}" for m in marks)
+    print(f"| optimizer | state (MiB) | {head} | mean loss, last 10% | distance from adamw_torch's weights |")
+    print("|---|---:|" + "---:|" * len(marks) + "---:|---:|")
+    for c in configs:
+        r = runs[c]
+        if "error" in r:
+            print(f"| {c} | — | " + " | " * len(marks) + f"{r['error']} |")
+            continue
+        tail = r["losses"][-max(1, a.steps // 10):]
+        dist = _distance(r["weights"], ref["weights"])
+        rel = f"{dist / moved:.1e} of its move"
+        cells = " | ".join(f"{r['losses'][m - 1]:.4f}" for m in marks)
+        print(f"| {c} | {r['state_mib']:.2f} | {cells} | {sum(tail) / len(tail):.4f} | {rel} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
