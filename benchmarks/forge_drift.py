@@ -4,7 +4,10 @@ The same small Llama-style model, data and seed trained with HF ``Trainer`` unde
 optimizer state's size, the training loss along the way and, at the end, each run's distance from ``adamw_torch``'s
 weights relative to how far ``adamw_torch`` moved them (``‖W - W_ref‖ / ‖W_ref - W_0‖`` over all parameters). FORGE
 with fp32 state should sit at float noise; bf16 and 8-bit state (FORGE's, and bitsandbytes' ``adamw_bnb_8bit`` when
-installed) show what their rounding costs. Trained on the built-in text with a character tokenizer (no download).
+installed) show what their rounding costs. ``--bf16``: every optimizer trains bf16 weights, and the reference is
+``adamw_torch`` on fp32 weights (the training bf16 stands in for): torch's round-to-nearest bf16 weights lose the
+updates below half a bf16 spacing, FORGE's ``stochastic_rounding=true`` keeps them on average. Trained on the
+built-in text with a character tokenizer (no download).
 """
 
 from __future__ import annotations
@@ -23,7 +26,11 @@ CONFIGS = {
     "forge_adamw+bf16_state": dict(optim="forge_adamw", optim_args="state_dtype=bf16"),
     "forge_adamw+8bit_state": dict(optim="forge_adamw", optim_args="state_dtype=8bit"),
     "adamw_bnb_8bit": dict(optim="adamw_bnb_8bit"),  # needs bitsandbytes (its CPU build runs here)
+    "forge_adamw+sr": dict(optim="forge_adamw", optim_args="stochastic_rounding=true"),  # for --bf16
+    "forge_adamw+8bit_state+sr": dict(optim="forge_adamw", optim_args="state_dtype=8bit,stochastic_rounding=true"),
 }
+DEFAULT = ["adamw_torch", "forge_adamw", "forge_adamw+bf16_state", "forge_adamw+8bit_state", "adamw_bnb_8bit"]
+DEFAULT_BF16 = ["adamw_torch", "forge_adamw", "forge_adamw+sr", "forge_adamw+8bit_state+sr", "adamw_bnb_8bit"]
 
 
 def _model(hidden: int, layers: int, vocab: int):
@@ -37,7 +44,7 @@ def _model(hidden: int, layers: int, vocab: int):
 
 
 def train(config: str, *, hidden: int, layers: int, seq: int, batch: int, steps: int, lr: float,
-          max_grad_norm: float) -> dict:
+          max_grad_norm: float, bf16: bool = False) -> dict:
     """One run of ``config``: its losses per step, final weights and optimizer-state bytes."""
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
     from transformers.utils import logging as hf_logging
@@ -48,6 +55,8 @@ def train(config: str, *, hidden: int, layers: int, seq: int, batch: int, steps:
     hf_logging.set_verbosity_error()
     tok = build_char_tokenizer()
     model = _model(hidden, layers, len(tok))
+    if bf16:
+        model = model.to(torch.bfloat16)
     data = lm_blocks(tok, DEMO_TEXT, seq, batch * steps)
     start = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     losses: list[float] = []
@@ -87,43 +96,54 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--bf16", action="store_true", help="bf16 weights; the reference: adamw_torch on fp32 weights")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS),
+                   help=f"default: {' '.join(DEFAULT)}; with --bf16: {' '.join(DEFAULT_BF16)}")
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(a.threads)
     kw = dict(hidden=a.hidden, layers=a.layers, seq=a.seq, batch=a.batch, steps=a.steps, lr=a.lr,
               max_grad_norm=a.max_grad_norm)
-    configs = ["adamw_torch", *(c for c in a.configs if c != "adamw_torch")]
+    configs = a.configs or (DEFAULT_BF16 if a.bf16 else DEFAULT)
+    if not a.bf16:  # the reference is the adamw_torch row
+        configs = ["adamw_torch", *(c for c in configs if c != "adamw_torch")]
     print(f"# Trainer, Llama-style hidden {a.hidden} x {a.layers} layers, character vocabulary, {a.steps} steps of "
           f"{a.batch}x{a.seq} tokens, lr {a.lr} (warmup 10%, linear decay), weight decay 0.01, max_grad_norm "
-          f"{a.max_grad_norm}, fp32 weights, cpu")
+          f"{a.max_grad_norm}, {'bf16 weights (reference: adamw_torch, fp32 weights)' if a.bf16 else 'fp32 weights'}"
+          ", cpu")
     print(f"# {machine('cpu')}; {versions()}\n")
     runs: dict[str, dict] = {}
+    if a.bf16:
+        configs = ["reference", *configs]
+        runs["reference"] = train("adamw_torch", **kw)
     for c in configs:
+        if c in runs:
+            continue
         try:
-            runs[c] = train(c, **kw)
+            runs[c] = train(c, bf16=a.bf16, **kw)
         except Exception as e:  # a peer that cannot run here (bitsandbytes absent) is a row, not a crash
             runs[c] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:160]}
-    ref = runs["adamw_torch"]
+    ref = runs[configs[0]]
     if "error" in ref:
-        print(f"adamw_torch failed: {ref['error']}")
+        print(f"the reference run failed: {ref['error']}")
         return 1
     marks = sorted({max(1, min(m, a.steps)) for m in (1, a.steps // 10, a.steps // 2, a.steps)})
     moved = _distance(ref["weights"], ref["start"])  # how far adamw_torch moved the weights
     head = " | ".join(f"loss @ {m}" for m in marks)
-    print(f"| optimizer | state (MiB) | {head} | mean loss, last 10% | distance from adamw_torch's weights |")
+    print(f"| optimizer | state (MiB) | {head} | mean loss, last 10% | distance from the reference's weights |")
     print("|---|---:|" + "---:|" * len(marks) + "---:|---:|")
     for c in configs:
         r = runs[c]
         if "error" in r:
-            print(f"| {c} | — | " + " | " * len(marks) + f"{r['error']} |")
+            print(f"| {c} | — | " + " | " * len(marks) + f" | {r['error']} |")
             continue
         tail = r["losses"][-max(1, a.steps // 10):]
         dist = _distance(r["weights"], ref["weights"])
         rel = f"{dist / moved:.1e} of its move"
         cells = " | ".join(f"{r['losses'][m - 1]:.4f}" for m in marks)
-        print(f"| {c} | {r['state_mib']:.2f} | {cells} | {sum(tail) / len(tail):.4f} | {rel} |", flush=True)
+        name = "adamw_torch, fp32 weights (reference)" if c == "reference" else c
+        print(f"| {name} | {r['state_mib']:.2f} | {cells} | {sum(tail) / len(tail):.4f} | {rel} |", flush=True)
     return 0
 
 
