@@ -73,15 +73,17 @@ for part in $parts; do
     next)  # the next session's call (after run G), < 9.5 minutes in all, most important first: FORGE under
       # torch.compile at ~1B (issue 3's time target; its layers are graph operators since 2026-11-27, and the compiled
       # graph no longer depends on the optimizer, so inductor's cache serves the second FORGE configuration and the
-      # memory processes), then issue 5's medians with the inference dispatch (its twin check first: the Titans
-      # dispatch changed since run G; the FORGE and head kernels did not), then the host cost per layer compiled
+      # memory processes), then issue 5's medians with the inference dispatch (the twin checks first: the Titans
+      # dispatch changed since run G, and the FORGE kernel's 8-bit sqrt(v) keeps zeros at 0 since 2026-11-27; the
+      # head kernels did not change), then the host cost per layer compiled
       timeout -k 5 270 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused adamw_torch_fused+compile \
         forge_lion+compile forge_adamw+bf16_state+compile 2>&1 | tee "$out/forge-compile.md" || status=1
       timeout -k 5 50 python tests/titans/_triton_twin_check.py cuda 2>&1 | tee "$out/checks.md" || status=1
+      timeout -k 5 60 python tests/optim/_triton_twin_check.py cuda 2>&1 | tee -a "$out/checks.md" || status=1
       timeout -k 5 140 python -m benchmarks.titans --device cuda --repeats 15 --layers --kernel-shapes 48x128x64x256 \
         8x128x64x256 8x128x128x512 8x128x256x1024 2>&1 | tee "$out/titans-kernels.md" || status=1
-      timeout -k 5 80 python -m benchmarks.forge_host --device cuda --configs adamw_torch_fused forge_adamw \
+      timeout -k 5 50 python -m benchmarks.forge_host --device cuda --configs adamw_torch_fused forge_adamw \
         adamw_torch_fused+compile forge_adamw+compile 2>&1 | tee "$out/launch.md" || status=1 ;;
     confirm)  # a second short call: GRPO with more repeats, the Titans kernel table at every shape, the head at 128256
       timeout -k 5 70 python -m benchmarks.grpo --device cuda --repeats 30 --peers trl memgrad 2>&1 \
