@@ -183,10 +183,10 @@ def quantize_8bit(x: Tensor, seed: int | None = None, keep_positive: bool = Fals
     scale = torch.where(amax > 0, amax / Q_MAX, torch.ones_like(amax))
     y = (xb / scale.unsqueeze(-1)).reshape(*x.shape[:-1], -1)[..., :n]
     if keep_positive:
-        # positive values below the smallest code get it; exact zeros stay 0. (A zero given the smallest code, as
-        # once, is 2^-9 in absolute terms where a whole block is 0 (scale 1): an embedding row or a weight row whose
-        # gradient was 0 so far then starts with sqrt(v) ~ 2e-3, hundreds of times the sqrt(v) its first gradients
-        # give, and its updates stay suppressed for thousands of steps. v = 0 exactly has m = 0: update 0 either way.)
+        # positive values below the smallest code get it; exact zeros stay 0. The smallest code for a zero would be
+        # 2^-9 in absolute terms where a whole block is 0 (scale 1): a row whose gradient was 0 so far (an unseen
+        # token's embedding) would start with sqrt(v) ~ 2e-3, hundreds of times what its first gradients give, and
+        # its updates would stay held back for thousands of steps. v = 0 exactly has m = 0: its update is 0 anyway.
         y = torch.where(y > 0, y.clamp(min=2.0**-9), y)
     if seed is not None:
         # add uniform noise below the 20 dropped mantissa bits (fp32 23 -> e4m3 3) and truncate: rounds up with
