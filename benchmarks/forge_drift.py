@@ -4,7 +4,8 @@ The same small Llama-style model, data and seed trained with HF ``Trainer`` unde
 optimizer state's size, the training loss along the way and, at the end, each run's distance from ``adamw_torch``'s
 weights relative to how far ``adamw_torch`` moved them (``‖W - W_ref‖ / ‖W_ref - W_0‖`` over all parameters). FORGE
 with fp32 state should sit at float noise; bf16 and 8-bit state (FORGE's, and bitsandbytes' ``adamw_bnb_8bit`` when
-installed) show what their rounding costs. ``--bf16``: every optimizer trains bf16 weights, and the reference is
+installed) show what their rounding costs, and ``adamw_torch+other_order`` (the same training, its batches in
+another order) the scale of it. ``--bf16``: every optimizer trains bf16 weights, and the reference is
 ``adamw_torch`` on fp32 weights (the training bf16 stands in for): torch's round-to-nearest bf16 weights lose the
 updates below half a bf16 spacing, FORGE's ``stochastic_rounding=true`` keeps them on average. Trained on the
 built-in text with a character tokenizer (no download).
@@ -26,10 +27,13 @@ CONFIGS = {
     "forge_adamw+bf16_state": dict(optim="forge_adamw", optim_args="state_dtype=bf16"),
     "forge_adamw+8bit_state": dict(optim="forge_adamw", optim_args="state_dtype=8bit"),
     "adamw_bnb_8bit": dict(optim="adamw_bnb_8bit"),  # needs bitsandbytes (its CPU build runs here)
+    # the scale of it all: the same optimizer, only the order of the batches differs (Trainer seed 1)
+    "adamw_torch+other_order": dict(optim="adamw_torch", seed=1),
     "forge_adamw+sr": dict(optim="forge_adamw", optim_args="stochastic_rounding=true"),  # for --bf16
     "forge_adamw+8bit_state+sr": dict(optim="forge_adamw", optim_args="state_dtype=8bit,stochastic_rounding=true"),
 }
-DEFAULT = ["adamw_torch", "forge_adamw", "forge_adamw+bf16_state", "forge_adamw+8bit_state", "adamw_bnb_8bit"]
+DEFAULT = ["adamw_torch", "forge_adamw", "forge_adamw+bf16_state", "forge_adamw+8bit_state", "adamw_bnb_8bit",
+           "adamw_torch+other_order"]
 DEFAULT_BF16 = ["adamw_torch", "forge_adamw", "forge_adamw+sr", "forge_adamw+8bit_state+sr", "adamw_bnb_8bit"]
 
 
@@ -69,7 +73,7 @@ def train(config: str, *, hidden: int, layers: int, seq: int, batch: int, steps:
     args = TrainingArguments(output_dir="/tmp/memgrad_bench_forge_drift", max_steps=steps,
                              per_device_train_batch_size=batch, learning_rate=lr, warmup_steps=steps // 10,
                              weight_decay=0.01, max_grad_norm=max_grad_norm, logging_steps=1, save_strategy="no",
-                             report_to="none", use_cpu=True, disable_tqdm=True, seed=0, **CONFIGS[config])
+                             report_to="none", use_cpu=True, disable_tqdm=True, **{"seed": 0, **CONFIGS[config]})
     t = Trainer(model=model, args=args, train_dataset=data, callbacks=[Losses()])
     t.remove_callback(PrinterCallback)
     t.train()
