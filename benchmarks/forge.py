@@ -73,19 +73,26 @@ CONFIGS = {
 }
 
 
+def llama_config(vocab: int, hidden: int, layers: int, max_positions: int):
+    """The benchmarks' Llama-style shape: Llama's MLP ratio (2.6875, rounded to 16), heads of 64."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875) // 16 * 16,
+                       num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1),
+                       num_key_value_heads=max(hidden // 64, 1), max_position_embeddings=max_positions)
+
+
 def setup(device: str, config: str, hidden: int, layers: int, vocab: int, batch: int, seq: int, steps: int,
           bf16: bool) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     import memgrad_hf  # registers forge_*
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875) // 16 * 16,
-                      num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1),
-                      num_key_value_heads=max(hidden // 64, 1), max_position_embeddings=max(seq, 128))
+    cfg = llama_config(vocab, hidden, layers, max(seq, 128))
     with torch.device(device):  # built where it trains: a 1B model's init on the host would dominate the run
         model = LlamaForCausalLM(cfg)
     if bf16:

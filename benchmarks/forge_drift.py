@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from benchmarks.forge import llama_config
 from benchmarks.harness import machine, versions
 
 CONFIGS = {
@@ -38,13 +39,10 @@ DEFAULT_BF16 = ["adamw_torch", "forge_adamw", "forge_adamw+sr", "forge_adamw+8bi
 
 
 def _model(hidden: int, layers: int, vocab: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875) // 16 * 16,
-                      num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1),
-                      num_key_value_heads=max(hidden // 64, 1), max_position_embeddings=256)
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(llama_config(vocab, hidden, layers, 256))
 
 
 def train(config: str, *, hidden: int, layers: int, seq: int, batch: int, steps: int, lr: float,
