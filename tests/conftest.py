@@ -33,3 +33,17 @@ def _fresh_accelerate_state():
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture
+def fresh_compile():
+    """For a test that compiles: dynamo's caches reset before and after, and torch's donated-buffers switch restored
+    (FORGE's exact clipping by a second backward turns it off for the process)."""
+    import torch._dynamo as dynamo
+    from torch._functorch import config
+
+    donated = config.donated_buffer
+    dynamo.reset()
+    yield
+    dynamo.reset()
+    config.donated_buffer = donated

@@ -192,23 +192,14 @@ def test_grpo_with_forge_adamw_and_exact_clipping_equals_adamw_torch(tmp_path, a
 
 
 
-def test_compiled_grpo_with_forge_adamw_and_exact_clipping_equals_eager_adamw_torch(tmp_path):
+def test_compiled_grpo_with_forge_adamw_and_exact_clipping_equals_eager_adamw_torch(tmp_path, fresh_compile):
     """GRPOTrainer(torch_compile=True) on a patch_model()ed policy: the fused head's FORGE consumer is built in a
     compile-disabled call (as the patched model's own loss), and clipping with accumulation stays exact. aot_eager:
     inductor's graph capture and autograd partitioning without its code generation."""
-    import torch._dynamo as dynamo
-    from torch._functorch import config
-
-    donated = config.donated_buffer  # (FORGE's exact clipping may turn it off: restored)
     kw = dict(max_grad_norm=0.01, gradient_accumulation_steps=2, via_patch_model=True)
     ref = _run(tmp_path / "a", "dapo", patched=True, optim="adamw_torch", **kw)
-    dynamo.reset()
-    try:
-        ours = _run(tmp_path / "f", "dapo", patched=True, optim="forge_adamw", torch_compile=True,
-                    torch_compile_backend="aot_eager", **kw)
-    finally:
-        dynamo.reset()
-        config.donated_buffer = donated
+    ours = _run(tmp_path / "f", "dapo", patched=True, optim="forge_adamw", torch_compile=True,
+                torch_compile_backend="aot_eager", **kw)
     assert max(ref[1]) > 0.01  # clipping was active
     assert ours[0] == pytest.approx(ref[0], rel=1e-5, abs=1e-7)
     assert ours[1] == pytest.approx(ref[1], rel=1e-5)

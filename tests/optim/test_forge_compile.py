@@ -16,16 +16,7 @@ from memgrad_hf import UnsupportedModelError
 from memgrad_hf.optim import ForgeAdamW
 from tests.tiny_models import tiny_model
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    from torch._functorch import config
-
-    donated = config.donated_buffer  # (FORGE's exact clipping by a second backward turns it off: restored)
-    dynamo.reset()
-    yield
-    dynamo.reset()
-    config.donated_buffer = donated
+pytestmark = pytest.mark.usefixtures("fresh_compile")  # (tests/conftest.py)
 
 
 def _ids(step: int) -> torch.Tensor:

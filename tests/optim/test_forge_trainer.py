@@ -577,21 +577,15 @@ def test_forge_under_bf16_autocast_equals_adamw_torch(tmp_path, max_grad_norm):
     assert max(gb) > max_grad_norm
 
 
-def test_forge_with_trainer_compile_checkpointing_accumulation_and_clipping_equals_adamw_torch(tmp_path):
+def test_forge_with_trainer_compile_checkpointing_accumulation_and_clipping_equals_adamw_torch(tmp_path,
+                                                                                             fresh_compile):
     """``torch_compile`` (aot_eager: inductor's graph capture without its code generation), activation
     checkpointing, accumulation and the default exact clipping together: the norm-only backward runs through the
     compiled graph before the update backward (torch's donated buffers refused that until FORGE turned them off)."""
-    from torch._functorch import config
-
-    donated = config.donated_buffer
-    try:
-        (la, ga), (lb, gb) = _forge_vs_adamw(
-            tmp_path, tiny_model("llama", tied=True), torch_compile=True, torch_compile_backend="aot_eager",
-            activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False},
-            gradient_accumulation_steps=2, max_grad_norm=0.05)
-    finally:
-        config.donated_buffer = donated
-        torch._dynamo.reset()
+    (la, ga), (lb, gb) = _forge_vs_adamw(
+        tmp_path, tiny_model("llama", tied=True), torch_compile=True, torch_compile_backend="aot_eager",
+        activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False},
+        gradient_accumulation_steps=2, max_grad_norm=0.05)
     assert max(gb) > 0.05 and la == pytest.approx(lb, rel=1e-5) and ga == pytest.approx(gb, rel=1e-4)
 
 
