@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.sweep:
         q8 = {}
         for name in ("exp_avg", "exp_avg_sq"):
-            q8[name], q8[name + ".scale"] = K.quantize_8bit(torch.full_like(w, 1e-3, dtype=torch.float32))
+            q8[name], q8[name + ".scale"] = K.quantize_8bit(torch.full_like(w, 1e-3, dtype=torch.float32),
+                                                            positive=name == "exp_avg_sq")
         states = {"bf16": {"exp_avg": torch.zeros_like(w), "exp_avg_sq": torch.zeros_like(w)}, "8-bit": q8}
         tiles = forge_triton.LINEAR_TILES["lowp"]
         default = dict(tiles)

@@ -13,6 +13,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+# 8-bit state's codes live in state_codes; the rules' callers reach them through this module too
+from memgrad_hf.kernels.state_codes import (  # noqa: F401
+    Q_BLOCK,
+    Q_DTYPE,
+    dequantize_8bit,
+    quantize_8bit,
+    scale_shape,
+)
+
 # ---------------------------------------------------------------------------------------------- rules
 
 
@@ -150,76 +159,6 @@ def _sr_truncate(x: Tensor, seed: int, offset: int) -> Tensor:
     return out.view(torch.float32)
 
 
-# 8-bit state: codes in float8 e4m3 (3 mantissa bits: <= 2^-4 relative error over a wide range, unlike linear int8,
-# which would flush the small second moments next to a large one to zero and blow the update up), one fp32 scale per
-# Q_BLOCK consecutive elements of a row. Blocks run along the last dimension only, so any row slice of a weight
-# (the fused tiles) carries whole blocks with its own slice of the scales.
-Q_BLOCK = 64
-Q_DTYPE = torch.float8_e4m3fn
-Q_MAX = 224.0  # block absmax maps here: stochastic rounding may go one step up (240), still below e4m3's 448
-
-
-def scale_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
-    """Shape of the per-block scales for an 8-bit state of ``shape`` (blocks of Q_BLOCK along the last dim)."""
-    return (*shape[:-1], -(-shape[-1] // Q_BLOCK))
-
-
-def quantize_8bit(x: Tensor, seed: int | None = None, keep_positive: bool = False, *,
-                  offset: int = 0) -> tuple[Tensor, Tensor]:
-    """fp32 ``x`` (at least 1-D) -> ``(codes, scales)``: e4m3 codes of ``x`` divided by its block's scale.
-
-    With ``seed`` the codes are rounded stochastically (unbiased: ``E[dequantize] = x`` for values in e4m3's normal
-    range), else to nearest. Per element, ``|dequantize - x| <= 2^-4·|x| + 2^-10·scale`` (nearest) or
-    ``< 2^-3·|x| + 2^-9·scale`` (stochastic). ``keep_positive``: no positive value becomes code 0 (values below the
-    smallest code, 2^-9·scale, get it; zeros stay 0) -- for a denominator, where a flush to zero would blow the update
-    up.
-    The noise of element ``i`` hashes ``(seed, offset + i)``, as for bf16 (row blocks with their offsets equal one
-    call on the whole)."""
-    n = x.shape[-1]
-    pad = (-n) % Q_BLOCK
-    x = x.float()
-    xb = (torch.nn.functional.pad(x, (0, pad)) if pad else x).reshape(*x.shape[:-1], -1, Q_BLOCK)
-    amax = xb.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / Q_MAX, torch.ones_like(amax))
-    y = (xb / scale.unsqueeze(-1)).reshape(*x.shape[:-1], -1)[..., :n]
-    if keep_positive:
-        # positive values below the smallest code get it; exact zeros stay 0. The smallest code for a zero would be
-        # 2^-9 in absolute terms where a whole block is 0 (scale 1): a row whose gradient was 0 so far (an unseen
-        # token's embedding) would start with sqrt(v) ~ 2e-3, hundreds of times what its first gradients give, and
-        # its updates would stay held back for thousands of steps. v = 0 exactly has m = 0: its update is 0 anyway.
-        y = torch.where(y > 0, y.clamp(min=2.0**-9), y)
-    if seed is not None:
-        # add uniform noise below the 20 dropped mantissa bits (fp32 23 -> e4m3 3) and truncate: rounds up with
-        # probability equal to the fraction; then the cast to e4m3 is exact (normal range)
-        noise = hash_bits(seed, offset, y.shape, 20, x.device)
-        y = noise.add_(y.contiguous().view(torch.int32)).bitwise_and_(-(1 << 20)).view(torch.float32)
-    codes = y.to(Q_DTYPE)
-    return codes, scale
-
-
-_E4M3_TABLES: dict[torch.device, Tensor] = {}
-
-
-def _e4m3_to_float(codes: Tensor) -> Tensor:
-    """``codes.float()`` by a 256-entry table lookup: the same values, ~6x faster than torch's CPU float8 cast."""
-    table = _E4M3_TABLES.get(codes.device)
-    if table is None:
-        table = torch.arange(256, dtype=torch.int32, device=codes.device).to(torch.uint8).view(Q_DTYPE).float()
-        _E4M3_TABLES[codes.device] = table
-    idx = codes.contiguous().view(torch.uint8).reshape(-1).int()
-    return table.index_select(0, idx).view(codes.shape)
-
-
-def dequantize_8bit(codes: Tensor, scale: Tensor) -> Tensor:
-    """Inverse of :func:`quantize_8bit`: fp32 values of the codes times their block's scale."""
-    n = codes.shape[-1]
-    pad = (-n) % Q_BLOCK
-    y = _e4m3_to_float(codes)
-    y = (torch.nn.functional.pad(y, (0, pad)) if pad else y).reshape(*codes.shape[:-1], -1, Q_BLOCK)
-    y.mul_(scale.unsqueeze(-1))  # y is a fresh fp32 copy: scale it in place
-    return y.reshape(*codes.shape[:-1], -1)[..., :n]
-
-
 def state_slice(st: dict[str, Tensor], names: tuple[str, ...], r0: int, r1: int) -> dict[str, Tensor]:
     """Rows ``r0:r1`` of the state tensors ``names`` (and of their 8-bit scales, if any); the tensors themselves
     where the rows are all of them (one update per small weight: no slicing op per tensor on the host)."""
@@ -298,7 +237,7 @@ def _apply_rows(update: Callable[..., None], names: tuple[str, ...], p: Tensor, 
     st32 = {}
     for n in names:
         if st[n].dtype == Q_DTYPE:
-            st32[n] = dequantize_8bit(st[n], st[n + ".scale"])
+            st32[n] = dequantize_8bit(st[n], st[n + ".scale"], positive=n == "exp_avg_sq")
             if n == "exp_avg_sq":
                 st32[n].square_()
         else:
@@ -308,7 +247,7 @@ def _apply_rows(update: Callable[..., None], names: tuple[str, ...], p: Tensor, 
     for n in names:
         if st[n].dtype == Q_DTYPE:  # 8-bit: the second moment rounded stochastically, as in bf16 (see above)
             if n == "exp_avg_sq":
-                codes, scale = quantize_8bit(st32[n].sqrt_(), seeds[n], keep_positive=True, offset=offset)
+                codes, scale = quantize_8bit(st32[n].sqrt_(), seeds[n], positive=True, offset=offset)
             else:
                 codes, scale = quantize_8bit(st32[n])
             st[n].copy_(codes)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from memgrad_hf.kernels import forge as K
+from memgrad_hf.kernels import state_codes as S
 
 logger = logging.getLogger(__name__)
 
@@ -79,20 +80,17 @@ def _round_stochastic(x: Tensor, key: Tensor, drop: int) -> Tensor:
 # the generated index arithmetic simple; only the number of blocks varies between calls.
 
 
-def _dequantize(codes: Tensor, scale: Tensor) -> Tensor:
-    return codes.float() * scale[:, None]
+def _dequantize(codes: Tensor, scale: Tensor, positive: bool) -> Tensor:
+    return S.decode(codes, positive) * scale[:, None]
 
 
-def _quantize(x: Tensor, key: Tensor | None, keep_positive: bool) -> tuple[Tensor, Tensor]:
-    """:func:`memgrad_hf.kernels.forge.quantize_8bit` on ``[blocks, Q_BLOCK]``."""
+def _quantize(x: Tensor, key: Tensor | None, positive: bool) -> tuple[Tensor, Tensor]:
+    """:func:`memgrad_hf.kernels.state_codes.quantize_8bit` on ``[blocks, Q_BLOCK]``."""
     amax = x.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / K.Q_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / S.q_max(positive), torch.ones_like(amax))
     y = x / scale[:, None]
-    if keep_positive:  # positive values get at least the smallest code; zeros stay 0
-        y = torch.where(y > 0, y.clamp(min=2.0**-9), y)
-    if key is not None:
-        y = _round_stochastic(y, key, 20)
-    return y.to(K.Q_DTYPE), scale
+    noise = None if key is None else _noise(y, key, S.NOISE_BITS)
+    return S.encode(y, noise, positive), scale
 
 
 def _coefficients(rule: str, hp: dict[str, Any], step: int) -> Tensor:
@@ -139,7 +137,7 @@ def _sgd(p: Tensor, g: Tensor, buf: Tensor | None, c: Tensor) -> tuple[Tensor, T
 
 def _load(st: dict[str, Tensor], n: str) -> Tensor:
     if st[n].dtype == K.Q_DTYPE:  # 8-bit keeps sqrt(v)
-        y = _dequantize(st[n], st[n + ".scale"])
+        y = _dequantize(st[n], st[n + ".scale"], positive=n == "exp_avg_sq")
         return y.square() if n == "exp_avg_sq" else y
     return st[n].float()
 
@@ -148,9 +146,9 @@ def _save(st: dict[str, Tensor], n: str, x: Tensor, key: Tensor) -> None:
     """Round like the eager ``_apply_rows``: second moments stochastically, first moments to nearest."""
     if st[n].dtype == K.Q_DTYPE:
         if n == "exp_avg_sq":
-            codes, scale = _quantize(x.sqrt(), key, keep_positive=True)
+            codes, scale = _quantize(x.sqrt(), key, positive=True)
         else:
-            codes, scale = _quantize(x, None, keep_positive=False)
+            codes, scale = _quantize(x, None, positive=False)
         st[n].copy_(codes)
         st[n + ".scale"].copy_(scale)
     elif st[n].dtype == torch.bfloat16 and n == "exp_avg_sq":
@@ -240,7 +238,7 @@ def build(variant: tuple, path: str) -> None:
 
 
 def _cache_path(variant: tuple) -> Path:
-    src = Path(__file__).read_bytes() + Path(K.__file__).read_bytes()
+    src = b"".join(Path(f).read_bytes() for f in (__file__, K.__file__, S.__file__))
     tag = hashlib.sha256(src + repr((variant, torch.__version__, torch.backends.cpu.get_cpu_capability())).encode())
     root = Path(os.environ.get("MEMGRAD_CACHE_DIR") or Path.home() / ".cache" / "memgrad_hf")
     return root / "forge_aot" / f"{'-'.join(map(str, variant[:2]))}-{tag.hexdigest()[:20]}.pt2"

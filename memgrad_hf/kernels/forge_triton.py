@@ -26,7 +26,7 @@ from memgrad_hf.kernels import forge as K
 from memgrad_hf.kernels.triton_common import round_bf16 as _round_bf16
 
 # State storage kinds (constexpr): fp32, bf16 (rounded to nearest; the second moment stochastically), 8-bit
-# (block-scaled e4m3 codes, blocks of 64 along a row = one tile's row; the second moment kept as sqrt(v)).
+# (block-scaled codes of state_codes, blocks of 64 along a row = one tile's row; the second moment kept as sqrt(v)).
 F32, BF16, Q8 = 0, 1, 2
 
 # Triton reads TRITON_INTERPRET when it decorates the kernels below (at import), so this module does too
@@ -63,28 +63,45 @@ def _round_stochastic(x, noise, DROP: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_decode(code):
-    """e4m3fn code (uint8) -> fp32, exactly (normal codes by bits, subnormals as m·2^-9: no fp32 denormals)."""
-    c = code.to(tl.uint32)
-    e = (c >> 3) & 0xF
-    m = c & 0x7
-    normal = ((e + 120) << 23) | (m << 20)
-    mag = tl.where(e > 0, normal.to(tl.float32, bitcast=True), m.to(tl.float32) * 0.001953125)
-    return tl.where((c & 0x80) != 0, -mag, mag)
+def _code_decode(code, POSITIVE: tl.constexpr):
+    """8-bit state code (uint8) -> fp32 before the block's scale, exactly: :func:`state_codes.decode` (e3m5 for a
+    ``POSITIVE`` sqrt(v), else signed e3m4)."""
+    if POSITIVE:
+        mag = code.to(tl.int32)
+        M: tl.constexpr = 5
+    else:
+        mag = code.to(tl.int32) & 0x7F
+        M: tl.constexpr = 4
+    f = mag >> M
+    q = mag & ((1 << M) - 1)
+    mant = tl.where(f > 0, q + (1 << M), q)
+    val = mant.to(tl.float32) * ((tl.maximum(f, 1) + (126 - 6 - M)) << 23).to(tl.float32, bitcast=True)
+    if not POSITIVE:
+        val = tl.where(code.to(tl.int32) >= 0x80, -val, val)
+    return val
 
 
 @triton.jit
-def _e4m3_encode(y):
-    """fp32 (|y| <= 448) -> e4m3fn code, round to nearest even as torch's cast (subnormals on the 2^-9 grid)."""
-    bits = y.to(tl.uint32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    a = bits & 0x7FFFFFFF
-    r = (a + 0x7FFFF + ((a >> 20) & 1)) & 0xFFF00000  # 3 mantissa bits kept
-    normal = (r >> 20) - (120 << 3)
-    t = a.to(tl.float32, bitcast=True) * 512.0
-    sub = ((t + 8388608.0) - 8388608.0).to(tl.uint32)  # rint, ties to even (fp32 addition rounds so)
-    code = tl.where(a >= 0x3C800000, normal, sub)  # 0x3C800000 = 2^-6, e4m3's smallest normal
-    return (code | sign).to(tl.uint8)
+def _code_encode(y, noise, SR: tl.constexpr, POSITIVE: tl.constexpr):
+    """fp32 ``y`` over its block's scale -> 8-bit state code: :func:`state_codes.encode`, with ``noise`` (int32,
+    16 bits) when ``SR``, else to nearest (ties to even)."""
+    if POSITIVE:
+        M: tl.constexpr = 5
+        a = tl.minimum(tl.abs(y), 1.96875)
+        a = tl.where(a > 0, tl.maximum(a, 0.00048828125), a)  # no positive value becomes 0; zeros stay 0
+    else:
+        M: tl.constexpr = 4
+        a = tl.minimum(tl.abs(y), 1.9375)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # floor(log2 a); 0 -> the subnormal binade
+    t = a * ((127 + M - e) << 23).to(tl.float32, bitcast=True)  # the mantissa in code steps, exact
+    if SR:
+        q = ((t * 65536.0).to(tl.int32) + noise) >> 16
+    else:
+        q = ((t + 8388608.0) - 8388608.0).to(tl.int32)  # rint, ties to even (fp32 addition rounds so)
+    code = ((e + 6) << M) + q
+    if not POSITIVE:  # the sign bit of y (-0.0 included) as bit 7
+        code = code | ((y.to(tl.int32, bitcast=True) >> 24) & 0x80)
+    return code.to(tl.uint8)
 
 
 @triton.jit
@@ -99,8 +116,8 @@ def _per_block(s, BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
 def _load_state(ptr, scale_ptr, offs, sblk, smask, mask, KIND: tl.constexpr, IS_SQRT: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
     """A state tile in fp32. 8-bit: the tile's rows hold ``BN // QB`` scale blocks each, at indices ``sblk``."""
-    if KIND == 2:  # ptr: the codes as uint8
-        y = _e4m3_decode(tl.load(ptr + offs, mask=mask, other=0))
+    if KIND == 2:  # ptr: the codes
+        y = _code_decode(tl.load(ptr + offs, mask=mask, other=0), IS_SQRT)
         y = y * _per_block(tl.load(scale_ptr + sblk, mask=smask, other=1.0), BM, BN, QB)
         if IS_SQRT:
             y = y * y
@@ -121,13 +138,10 @@ def _store_state(ptr, scale_ptr, offs, sblk, smask, mask, x, key, idx, KIND: tl.
             amax = tl.max(ax, axis=1, keep_dims=True)  # [BM, 1]
         else:
             amax = tl.max(tl.reshape(ax, (BM, BN // QB, QB)), axis=2)
-        s = tl.where(amax > 0, tl.div_rn(amax, 224.0), 1.0)
+        s = tl.where(amax > 0, tl.div_rn(amax, 1.96875 if IS_SQRT else 1.9375), 1.0)  # block max -> q_max
         y = tl.div_rn(x, _per_block(s, BM, BN, QB))
-        if IS_SQRT:  # keep_positive: no positive denominator flushes to code 0; zeros stay 0
-            y = tl.where(y > 0, tl.maximum(y, 0.001953125), y)
-        if SR:
-            y = _round_stochastic(y, _hash_bits(key, idx, 20), 20)
-        tl.store(ptr + offs, _e4m3_encode(y), mask=mask)
+        noise = _hash_bits(key, idx, 16).to(tl.int32) if SR else 0
+        tl.store(ptr + offs, _code_encode(y, noise, SR, IS_SQRT), mask=mask)
         tl.store(scale_ptr + sblk, s, mask=smask)
     elif KIND == 1:
         if SR:

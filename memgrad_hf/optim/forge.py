@@ -43,6 +43,8 @@ from memgrad_hf.functional import retain_head_grads
 from memgrad_hf.kernels import _forced as _forced_backend
 from memgrad_hf.kernels import default_backend
 from memgrad_hf.kernels import forge as K
+from memgrad_hf.kernels.state_codes import LEGACY_DTYPE as LEGACY_8BIT_DTYPE
+from memgrad_hf.kernels.state_codes import dequantize_legacy
 from memgrad_hf.optim import forge_ops
 from memgrad_hf.patches import forge as P
 
@@ -1174,6 +1176,32 @@ class ForgeOptimizer(Optimizer):
             loss = self.clip_root(loss)
         loss.backward()
 
+    def _restore_state(self, p: Tensor, st: dict[str, Any], name: str, saved: dict[str, Any]) -> None:
+        """State ``name`` of ``p`` from its saved tensor, in this optimizer's state dtype: as saved where the dtypes
+        agree (exact), else converted through fp32 -- a run resumed with another ``state_dtype``, or 8-bit state
+        saved before 2026-11-27 (float8-e4m3 codes, re-encoded in the current codes)."""
+        want, kind = self._state_dtype_for(p), saved[name].dtype
+        positive = name == "exp_avg_sq"  # 8-bit codes hold sqrt(v)
+        scale = saved.get(name + ".scale")
+        scale = None if scale is None else scale.to(device=p.device, dtype=torch.float32)
+        st.pop(name + ".scale", None)
+        if kind == want:  # torch's loaded copy, unless its cast to the weight's dtype changed it
+            st[name] = st[name] if st[name].dtype == kind else saved[name].to(p.device, copy=True)
+            if scale is not None:
+                st[name + ".scale"] = scale
+            return
+        if kind == K.Q_DTYPE:
+            x = K.dequantize_8bit(saved[name].to(p.device), scale, positive)
+        elif kind == LEGACY_8BIT_DTYPE:
+            x = dequantize_legacy(saved[name].to(p.device), scale)
+        else:
+            x = saved[name].to(device=p.device, dtype=torch.float32)
+            x = x.sqrt() if positive and want == K.Q_DTYPE else x
+        if want == K.Q_DTYPE:
+            st[name], st[name + ".scale"] = K.quantize_8bit(x, positive=positive)
+        else:
+            st[name] = (x.square() if positive and kind in (K.Q_DTYPE, LEGACY_8BIT_DTYPE) else x).to(want)
+
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["forge"] = {"skipped_steps": self.skipped_steps, "prev_norm": self._prev_norm}
@@ -1195,21 +1223,15 @@ class ForgeOptimizer(Optimizer):
                 )
         super().load_state_dict(state_dict)
         self._plans = {}  # they point at the state tensors just replaced
-        # torch.optim casts floating state to each parameter's dtype on load: restore the configured state dtype
-        # (exact: fp32/bf16/e4m3 values survive the round trip through a wider dtype) and the saved 8-bit scales
+        # torch.optim casts floating state to each parameter's dtype on load (fp32 state of a bf16 weight would lose
+        # bits): every state tensor is taken again from the saved one, in the configured state dtype
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        saved_state = state_dict["state"]
         for i, p in zip(saved_ids, params, strict=True):
             st = self.state.get(p)
-            if not st:
-                continue
             for name in K.RULES[self.rule][1]:
-                want = self._state_dtype_for(p)
-                if name in st and st[name].dtype != want:
-                    st[name] = st[name].to(want)
-                if name + ".scale" in st:
-                    st[name + ".scale"] = saved_state[i][name + ".scale"].to(device=p.device, dtype=torch.float32)
+                if st and name in st:
+                    self._restore_state(p, st, name, state_dict["state"][i])
         self.skipped_steps = extra.get("skipped_steps", 0)
         self._prev_norm = extra.get("prev_norm")
         # load_state_dict replaces the param_group dicts; our index maps params to positions, still valid.
@@ -1270,7 +1292,9 @@ class ForgeAdamW(ForgeOptimizer):
             checkpointing, where recording would keep the recomputed activations alive).
         state_dtype: ``None``/``"auto"`` (default: like ``torch.optim``, state in the weight's precision: fp32 for
             fp32 weights, bf16 for bf16/fp16 ones, second moment rounded stochastically), ``"fp32"``, ``"bf16"`` or
-            ``"8bit"`` (block-scaled e4m3 codes for matrices).
+            ``"8bit"`` (matrices: block-scaled 8-bit float codes, e3m4 for ``m``, e3m5 for ``sqrt(v)``; see
+            :mod:`memgrad_hf.kernels.state_codes`). A checkpoint resumes under another ``state_dtype`` too (its
+            state converted).
         stochastic_rounding: round bf16 weights stochastically after each update.
         tile_bytes: bytes of one weight-gradient tile, counted as fp32 (default: 4 MiB on CPU, 64 MiB on a GPU,
             256 MiB for linear layers that ``kernel`` serves by cuBLAS tiles).

@@ -8,6 +8,13 @@ import torch
 
 from memgrad_hf.kernels import forge as K
 from memgrad_hf.kernels import forge_triton as T
+from memgrad_hf.kernels import state_codes as S
+
+
+def _code_step(values: torch.Tensor, name: str) -> torch.Tensor:
+    """One code step at each of these (unscaled) 8-bit values: 2^-M of the value, 2^(-6-M) in the subnormal binade."""
+    m = S.mantissa_bits(name == "exp_avg_sq")
+    return 2.0**-m * values.abs() + 2.0 ** (-6 - m)
 
 
 def _hp(rule: str, variant: bool = False) -> dict:
@@ -108,7 +115,8 @@ def check_lowp_state(rule: str, state: str, stochastic: bool, step: int, device:
         val = (torch.rand(out_f, in_f, generator=g) * (1e-3 if k == "exp_avg_sq" else 0.1)).to(device)
         val[:8] = 0
         if state == "8bit":
-            st[k], st[k + ".scale"] = K.quantize_8bit(val.sqrt() if k == "exp_avg_sq" else val)
+            st[k], st[k + ".scale"] = K.quantize_8bit(val.sqrt() if k == "exp_avg_sq" else val,
+                                                      positive=k == "exp_avg_sq")
         else:
             st[k] = val.to(torch.bfloat16)
     hp = _hp(rule)
@@ -137,8 +145,8 @@ def check_lowp_state(rule: str, state: str, stochastic: bool, step: int, device:
                       f"{s1.flatten()[i].item()!r} vs {s2.flatten()[i].item()!r}")
                 return 1.0
             # scales may differ in their last bit (the block's largest |m| does); count differing codes
-            c1, c2 = (K._e4m3_to_float(c) for c in (st1[k], st2[k]))
-            compare(c1, c2, 2**-3 * c1.abs() + 2**-9, k)
+            c1, c2 = (S.decode(c, positive=k == "exp_avg_sq") for c in (st1[k], st2[k]))
+            compare(c1, c2, _code_step(c1, k), k)
             if k == "exp_avg_sq":  # rows without a gradient stay exactly 0 (a floor would hold their updates back)
                 assert not c1[:8].any() and not c2[:8].any(), (rule, k, c1[:8].abs().max(), c2[:8].abs().max())
         else:
@@ -173,7 +181,8 @@ def check_update(rule: str, case: str, device: str = "cpu") -> float:
         st = {}
         for k in names:
             val = torch.rand(80, 136, generator=g) * 1e-2
-            st[k], st[k + ".scale"] = K.quantize_8bit(val.sqrt() if k == "exp_avg_sq" else val)
+            st[k], st[k + ".scale"] = K.quantize_8bit(val.sqrt() if k == "exp_avg_sq" else val,
+                                                      positive=k == "exp_avg_sq")
         kw = dict(seed=5)
     p, grad = p.to(device), grad.to(device)
     st = {k: v.to(device) for k, v in st.items()}
@@ -184,14 +193,14 @@ def check_update(rule: str, case: str, device: str = "cpu") -> float:
     assert int(b1) == int(b2) == 0 and not torch.equal(p1, p)
     assert abs(n1.item() - n2.item()) <= 1e-5 * n1.item(), (n1.item(), n2.item())
     worst = 0.0
-    pairs = [(p1, p2)] + [(st1[k], st2[k]) for k in names]
-    for a, b in pairs:
+    pairs = [("p", p1, p2)] + [(k, st1[k], st2[k]) for k in names]
+    for k, a, b in pairs:
         if a.dtype == torch.float32:
             worst = max(worst, ((a - b).abs().max() / a.abs().max()).item())
             continue
-        if a.dtype == K.Q_DTYPE:  # codes (the scales may differ in their last bit): one e4m3 step is <= 2^-3
-            a, b = K._e4m3_to_float(a), K._e4m3_to_float(b)
-            step_size = 2**-3 * a.abs() + 2**-9
+        if a.dtype == K.Q_DTYPE:  # codes (the scales may differ in their last bit): one code step apart at most
+            a, b = (S.decode(c, positive=k == "exp_avg_sq") for c in (a, b))
+            step_size = _code_step(a, k)
         else:
             step_size = torch.finfo(torch.bfloat16).eps * 2 * a.float().abs()
         diff = (a.float() - b.float()).abs()

@@ -1,4 +1,4 @@
-"""8-bit optimizer state (block-wise scaled e4m3 codes): stated error bounds, unbiased rounding, checkpoints."""
+"""8-bit optimizer state (block-scaled e3m4 / e3m5 codes): stated error bounds, unbiased rounding, checkpoints."""
 
 import copy
 
@@ -6,7 +6,17 @@ import pytest
 import torch
 
 import memgrad_hf.optim.forge as forge_mod
-from memgrad_hf.kernels.forge import Q_BLOCK, Q_DTYPE, dequantize_8bit, quantize_8bit, scale_shape
+from memgrad_hf.kernels.state_codes import (
+    Q_BLOCK,
+    Q_DTYPE,
+    decode,
+    dequantize_8bit,
+    encode,
+    mantissa_bits,
+    q_max,
+    quantize_8bit,
+    scale_shape,
+)
 from memgrad_hf.optim import ForgeAdamW, ForgeLion
 from tests.tiny_models import tiny_model
 
@@ -17,51 +27,94 @@ def _wide_range(rows: int = 8, cols: int = 200) -> torch.Tensor:
     return torch.randn(rows, cols, generator=g) * 10.0 ** torch.randint(-6, 2, (rows, cols), generator=g).float()
 
 
-def test_quantize_round_trip_within_stated_bound():
+@pytest.mark.parametrize("positive", [False, True], ids=["signed_e3m4", "positive_e3m5"])
+def test_quantize_round_trip_within_stated_bound(positive):
     x = _wide_range()
-    codes, scale = quantize_8bit(x)
+    x = x.abs() if positive else x
+    m = mantissa_bits(positive)
+    codes, scale = quantize_8bit(x, positive=positive)
     assert codes.dtype == Q_DTYPE and codes.shape == x.shape
     assert scale.shape == scale_shape(x.shape) == (8, -(-200 // Q_BLOCK))
-    err = (dequantize_8bit(codes, scale) - x).abs()
-    per_elem_scale = scale.repeat_interleave(Q_BLOCK, dim=-1)[:, :200]
-    assert (err <= 2**-4 * x.abs() + 2**-10 * per_elem_scale + 1e-12).all()
-    codes_sr, scale_sr = quantize_8bit(x, seed=3)
-    err_sr = (dequantize_8bit(codes_sr, scale_sr) - x).abs()
-    assert (err_sr <= 2**-3 * x.abs() + 2**-9 * per_elem_scale + 1e-12).all()
-    # a linear int8 code would flush most of these to zero; e4m3 keeps every value above 2^-10 of its block's scale
-    kept = x.abs() > 2**-9 * per_elem_scale
-    assert (dequantize_8bit(codes, scale)[kept] != 0).all()
+    deq = dequantize_8bit(codes, scale, positive=positive)
+    blk_max = torch.nn.functional.pad(x.abs(), (0, 56)).reshape(8, 4, 64).amax(-1).repeat_interleave(64, -1)[:, :200]
+    err = (deq - x).abs()
+    floor = 2 ** (-6 - m) if positive else 2 ** (-7 - m)  # positive: the smallest values are lifted to a code
+    assert (err <= 2 ** -(m + 1) * x.abs() + floor * blk_max + 1e-12).all()
+    # and no looser than that: the relative bound is reached (the format has m mantissa bits, not more)
+    assert (err > 2 ** -(m + 2) * x.abs()).any()
+    codes_sr, scale_sr = quantize_8bit(x, seed=3, positive=positive)
+    err_sr = (dequantize_8bit(codes_sr, scale_sr, positive=positive) - x).abs()
+    assert (err_sr < 2**-m * x.abs() + 2 ** (-6 - m) * blk_max + 1e-12).all()
+    # a linear int8 code would flush most of these to zero; the exponent keeps every value above ~2^-12 of its
+    # block's largest (and a positive one, a denominator, is never flushed)
+    kept = x.abs() > 2**-11 * blk_max
+    assert (deq[kept] != 0).all()
+    if positive:
+        assert (deq[x > 0] > 0).all()
+    else:
+        assert (torch.sign(deq[kept]) == torch.sign(x[kept])).all()
 
 
-def test_stochastic_8bit_rounding_is_unbiased_and_keep_positive_floors():
-    x = torch.full((1, 64 * 4000), 1.1)
-    x[0, ::64] = 224.0 / 0.9  # block max: scale 1/0.9 maps 1.1 to 0.99, between e4m3 codes 0.9375 and 1.0
-    codes, scale = quantize_8bit(x, seed=5)
-    deq = dequantize_8bit(codes, scale)
-    body = deq.reshape(-1, 64)[:, 1:]
-    assert len(body.unique()) == 2
-    assert abs(body.double().mean().item() - 1.1) < 1e-3  # ~5 sigma of the binomial noise
-    near = dequantize_8bit(*quantize_8bit(x)).reshape(-1, 64)[:, 1:]
-    assert abs(near.double().mean().item() - 1.1) > 5e-3  # nearest rounding is biased here
+def test_every_code_decodes_and_encodes_back():
+    """The 256 codes of each format: distinct, ordered values that encode back to themselves (the signed format's
+    -0.0 too), in the eager table, the element-wise decode and the compiled update's decode alike."""
+    from memgrad_hf.kernels import forge_compiled as C
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    for positive in (False, True):
+        vals = decode(codes, positive)
+        assert torch.equal(vals, dequantize_8bit(codes[None], torch.ones(1, 4), positive=positive)[0])
+        assert torch.equal(C._dequantize(codes.view(4, 64), torch.ones(4), positive).reshape(-1), vals)
+        mags = vals if positive else vals[:128]
+        assert (mags.diff() > 0).all() and mags.max() == q_max(positive)
+        assert torch.equal(encode(vals, None, positive), codes)
+
+
+def test_stochastic_8bit_rounding_is_unbiased_and_positive_floors():
+    for positive in (False, True):
+        x = torch.full((1, 64 * 4000), 1.1)
+        x[0, ::64] = q_max(positive) / 0.9  # block max: scale 1/0.9 maps 1.1 to 0.99, between two codes
+        codes, scale = quantize_8bit(x, seed=5, positive=positive)
+        deq = dequantize_8bit(codes, scale, positive=positive)
+        body = deq.reshape(-1, 64)[:, 1:]
+        assert len(body.unique()) == 2
+        assert abs(body.double().mean().item() - 1.1) < 5e-4  # ~5 sigma of the binomial noise
+        near = dequantize_8bit(*quantize_8bit(x, positive=positive), positive=positive).reshape(-1, 64)[:, 1:]
+        assert abs(near.double().mean().item() - 1.1) > 2e-3  # nearest rounding is biased here
     tiny = torch.tensor([[1.0] + [1e-12] * 63])
-    assert (dequantize_8bit(*quantize_8bit(tiny, keep_positive=True)) > 0).all()
+    assert (dequantize_8bit(*quantize_8bit(tiny, positive=True), positive=True) > 0).all()
     assert (dequantize_8bit(*quantize_8bit(tiny))[0, 1:] == 0).all()
 
 
 @pytest.mark.parametrize("seed", [None, 7], ids=["nearest", "stochastic"])
-def test_keep_positive_keeps_zeros_zero_in_every_implementation(seed):
-    """sqrt(v) = 0 (no gradient yet) must stay 0: the smallest code of an all-zero block (scale 1) is 2^-9 in
+def test_positive_keeps_zeros_zero_in_every_implementation(seed):
+    """sqrt(v) = 0 (no gradient yet) must stay 0: the smallest code of an all-zero block (scale 1) is ~5e-4 in
     absolute terms, far above the sqrt(v) of the small gradients that come later, and would hold their updates
     back for thousands of steps. The eager path and the compiled CPU loop's quantizer alike."""
     from memgrad_hf.kernels import forge_compiled as C
 
     x = torch.tensor([[0.0] * 64, [1.0] + [0.0] * 31 + [1e-12] * 32])
-    deq = dequantize_8bit(*quantize_8bit(x, seed, keep_positive=True))
+    deq = dequantize_8bit(*quantize_8bit(x, seed, positive=True), positive=True)
     assert (deq[x == 0] == 0).all() and (deq[x > 0] > 0).all()
     key = None if seed is None else torch.tensor(seed, dtype=torch.int32)
-    codes, scale = C._quantize(x, key, keep_positive=True)  # [blocks, Q_BLOCK] rows
-    deq = codes.float() * scale[:, None]
+    codes, scale = C._quantize(x, key, positive=True)  # [blocks, Q_BLOCK] rows
+    deq = C._dequantize(codes, scale, positive=True)
     assert (deq[x == 0] == 0).all() and (deq[x > 0] > 0).all()
+
+
+def test_compiled_quantizer_equals_eager_code_for_code():
+    """The compiled update's quantizer (traced from the same element-wise code) against the eager one, with the
+    hashed noise of the same seed and offsets."""
+    from memgrad_hf.kernels import forge as K
+    from memgrad_hf.kernels import forge_compiled as C
+
+    x = _wide_range(8, 128)
+    for positive, seed in ((False, None), (True, 11)):
+        x = x.abs() if positive else x
+        want = quantize_8bit(x, seed, positive=positive)
+        key = None if seed is None else torch.tensor(K._as_int32(K.noise_key(seed)), dtype=torch.int32)
+        got = C._quantize(x.view(-1, Q_BLOCK), key, positive)
+        assert torch.equal(got[0].view(8, 128), want[0]) and torch.equal(got[1].view(8, 2), want[1])
 
 
 def test_rows_whose_gradient_starts_late_move_as_with_fp32_state(monkeypatch):
@@ -141,3 +194,110 @@ def test_bad_state_dtype_is_a_clear_error():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="state_dtype must be one of"):
         ForgeAdamW(model.parameters(), model=model, state_dtype="int4")
+
+
+def _train(model, opt, ids, steps):
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+
+def _as_legacy(sd):
+    """``sd`` as the 8-bit state was saved before 2026-11-27: float8-e4m3 codes of each block over its max / 224."""
+    sd = copy.deepcopy(sd)
+    for st in sd["state"].values():
+        for name in ("exp_avg", "exp_avg_sq"):
+            if name + ".scale" in st:
+                x = dequantize_8bit(st[name], st[name + ".scale"], positive=name == "exp_avg_sq")
+                blocks = torch.nn.functional.pad(x, (0, (-x.shape[-1]) % Q_BLOCK)).reshape(*x.shape[:-1], -1, Q_BLOCK)
+                amax = blocks.abs().amax(-1)
+                scale = torch.where(amax > 0, amax / 224.0, torch.ones_like(amax))
+                codes = (blocks / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(*x.shape[:-1], -1)
+                st[name], st[name + ".scale"] = codes[..., :x.shape[-1]], scale
+    return sd
+
+
+def test_8bit_checkpoint_from_before_2026_11_27_resumes_in_the_current_codes(monkeypatch):
+    """A checkpoint with e4m3 codes loads: its state re-encoded (within both formats' rounding of the saved
+    values), and training goes on as from the current format's checkpoint (within the 8-bit bound)."""
+    monkeypatch.setattr(forge_mod, "_MIN_8BIT_NUMEL", 0)
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    a = tiny_model("llama")
+    opt_a = ForgeAdamW(a.parameters(), model=a, lr=1e-3, state_dtype="8bit")
+    _train(a, opt_a, ids, 2)
+    sd = copy.deepcopy(opt_a.state_dict())
+    b = copy.deepcopy(a)
+    opt_b = ForgeAdamW(b.parameters(), model=b, lr=1e-3, state_dtype="8bit")
+    opt_b.load_state_dict(_as_legacy(sd))
+    converted = 0
+    for (i, saved), st in zip(sd["state"].items(), opt_b.state.values(), strict=True):
+        for name in ("exp_avg", "exp_avg_sq"):
+            if name + ".scale" in saved:
+                assert st[name].dtype == Q_DTYPE, i
+                pos = name == "exp_avg_sq"
+                want = dequantize_8bit(saved[name], saved[name + ".scale"], positive=pos)
+                got = dequantize_8bit(st[name], st[name + ".scale"], positive=pos)
+                blk = want.abs().amax()
+                assert ((got - want).abs() <= 2**-3 * want.abs() + 2**-9 * blk).all(), (i, name)
+                converted += 1
+    assert converted > 0
+    _train(a, opt_a, ids, 2)
+    _train(b, opt_b, ids, 2)
+    worst = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert worst <= 2 * 1e-3 * 2**-2
+
+
+def test_resume_with_another_state_dtype_converts_the_state(monkeypatch):
+    """8-bit state loaded by an fp32-state optimizer comes back as its exact values (sqrt(v) squared), and fp32
+    state loaded by an 8-bit one as the codes that quantizing it gives; both train on."""
+    monkeypatch.setattr(forge_mod, "_MIN_8BIT_NUMEL", 0)
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    a = tiny_model("llama")
+    opt_a = ForgeAdamW(a.parameters(), model=a, lr=1e-3, state_dtype="8bit")
+    _train(a, opt_a, ids, 2)
+    sd8 = copy.deepcopy(opt_a.state_dict())
+    b = copy.deepcopy(a)
+    opt_b = ForgeAdamW(b.parameters(), model=b, lr=1e-3, state_dtype=torch.float32)
+    opt_b.load_state_dict(sd8)
+    sd32 = copy.deepcopy(opt_b.state_dict())
+    for saved, st in zip(sd8["state"].values(), opt_b.state.values(), strict=True):
+        assert not any(k.endswith(".scale") for k in st)
+        if "exp_avg.scale" in saved:
+            assert torch.equal(st["exp_avg"], dequantize_8bit(saved["exp_avg"], saved["exp_avg.scale"]))
+            root = dequantize_8bit(saved["exp_avg_sq"], saved["exp_avg_sq.scale"], positive=True)
+            assert torch.equal(st["exp_avg_sq"], root.square())
+        else:
+            assert all(torch.equal(st[k], saved[k]) for k in ("exp_avg", "exp_avg_sq"))
+    c = copy.deepcopy(a)
+    opt_c = ForgeAdamW(c.parameters(), model=c, lr=1e-3, state_dtype="8bit")
+    opt_c.load_state_dict(sd32)
+    for saved, st in zip(sd32["state"].values(), opt_c.state.values(), strict=True):
+        if st["exp_avg"].dtype == Q_DTYPE:
+            codes, scale = quantize_8bit(saved["exp_avg_sq"].sqrt(), positive=True)
+            assert torch.equal(st["exp_avg_sq"], codes) and torch.equal(st["exp_avg_sq.scale"], scale)
+            assert torch.equal(st["exp_avg"], quantize_8bit(saved["exp_avg"])[0])
+    _train(b, opt_b, ids, 1)
+    _train(c, opt_c, ids, 1)
+    assert all(torch.isfinite(p).all() for p in (*b.parameters(), *c.parameters()))
+    for o in (opt_a, opt_b, opt_c):
+        o.detach()
+
+
+def test_fp32_state_of_bf16_weights_resumes_bit_identical():
+    """torch.optim's loading casts floating state to the weight's dtype: fp32 state of bf16 weights must come back
+    from the checkpoint in fp32, not through bf16."""
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    a = tiny_model("llama").to(torch.bfloat16)
+    opt_a = ForgeAdamW(a.parameters(), model=a, lr=1e-3, state_dtype=torch.float32)
+    _train(a, opt_a, ids, 2)
+    sd = copy.deepcopy(opt_a.state_dict())
+    b = copy.deepcopy(a)
+    _train(a, opt_a, ids, 2)
+    opt_b = ForgeAdamW(b.parameters(), model=b, lr=1e-3, state_dtype=torch.float32)
+    opt_b.load_state_dict(sd)
+    assert all(st["exp_avg"].dtype == torch.float32 for st in opt_b.state.values())
+    _train(b, opt_b, ids, 2)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for o in (opt_a, opt_b):
+        o.detach()

@@ -15,7 +15,7 @@ def _state(rule: str, dtype: torch.dtype, rows: int, cols: int) -> dict[str, tor
     for n in K.RULES[rule][1]:
         x = torch.randn(rows, cols, generator=g).abs_() * 1e-3
         if dtype == K.Q_DTYPE:
-            st[n], st[n + ".scale"] = K.quantize_8bit(x.sqrt() if n == "exp_avg_sq" else x)
+            st[n], st[n + ".scale"] = K.quantize_8bit(x.sqrt() if n == "exp_avg_sq" else x, positive=n == "exp_avg_sq")
         else:
             st[n] = x.to(dtype)
     return st

@@ -46,7 +46,7 @@ def _state(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     for n in K.RULES["adamw"][1]:
         val = torch.rand(w.shape, generator=g) * 1e-3
         if dtype == K.Q_DTYPE:
-            st[n], st[n + ".scale"] = K.quantize_8bit(val)
+            st[n], st[n + ".scale"] = K.quantize_8bit(val, positive=n == "exp_avg_sq")
         else:
             st[n] = val.to(dtype)
     return st
