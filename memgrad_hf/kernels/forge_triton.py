@@ -65,17 +65,21 @@ def _round_stochastic(x, noise, DROP: tl.constexpr):
 @triton.jit
 def _code_decode(code, POSITIVE: tl.constexpr):
     """8-bit state code (uint8) -> fp32 before the block's scale, exactly: :func:`state_codes.decode` (e3m5 for a
-    ``POSITIVE`` sqrt(v), else signed e3m4)."""
+    ``POSITIVE`` sqrt(v), else signed e3m4). The formats' constants written out per branch (M = 5 or 4 mantissa
+    bits, E_MIN = -6): value = mantissa · 2^(max(binade, 1) - 1 + E_MIN - M)."""
     if POSITIVE:
         mag = code.to(tl.int32)
-        M: tl.constexpr = 5
+        f = mag >> 5
+        q = mag & 31
+        mant = tl.where(f > 0, q + 32, q)
+        expo = tl.maximum(f, 1) + 115  # 126 + E_MIN - M, biased
     else:
         mag = code.to(tl.int32) & 0x7F
-        M: tl.constexpr = 4
-    f = mag >> M
-    q = mag & ((1 << M) - 1)
-    mant = tl.where(f > 0, q + (1 << M), q)
-    val = mant.to(tl.float32) * ((tl.maximum(f, 1) + (126 - 6 - M)) << 23).to(tl.float32, bitcast=True)
+        f = mag >> 4
+        q = mag & 15
+        mant = tl.where(f > 0, q + 16, q)
+        expo = tl.maximum(f, 1) + 116
+    val = mant.to(tl.float32) * (expo << 23).to(tl.float32, bitcast=True)
     if not POSITIVE:
         val = tl.where(code.to(tl.int32) >= 0x80, -val, val)
     return val
@@ -84,21 +88,23 @@ def _code_decode(code, POSITIVE: tl.constexpr):
 @triton.jit
 def _code_encode(y, noise, SR: tl.constexpr, POSITIVE: tl.constexpr):
     """fp32 ``y`` over its block's scale -> 8-bit state code: :func:`state_codes.encode`, with ``noise`` (int32,
-    16 bits) when ``SR``, else to nearest (ties to even)."""
+    16 bits) when ``SR``, else to nearest (ties to even). Constants per branch as in :func:`_code_decode`."""
     if POSITIVE:
-        M: tl.constexpr = 5
         a = tl.minimum(tl.abs(y), 1.96875)
         a = tl.where(a > 0, tl.maximum(a, 0.00048828125), a)  # no positive value becomes 0; zeros stay 0
+        bexp = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)  # 127 + floor(log2 a), at least 127 + E_MIN
+        t = a * ((259 - bexp) << 23).to(tl.float32, bitcast=True)  # times 2^(M - floor(log2 a)): exact
+        base = (bexp - 121) << 5
     else:
-        M: tl.constexpr = 4
         a = tl.minimum(tl.abs(y), 1.9375)
-    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # floor(log2 a); 0 -> the subnormal binade
-    t = a * ((127 + M - e) << 23).to(tl.float32, bitcast=True)  # the mantissa in code steps, exact
+        bexp = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)
+        t = a * ((258 - bexp) << 23).to(tl.float32, bitcast=True)
+        base = (bexp - 121) << 4
     if SR:
         q = ((t * 65536.0).to(tl.int32) + noise) >> 16
     else:
         q = ((t + 8388608.0) - 8388608.0).to(tl.int32)  # rint, ties to even (fp32 addition rounds so)
-    code = ((e + 6) << M) + q
+    code = base + q
     if not POSITIVE:  # the sign bit of y (-0.0 included) as bit 7
         code = code | ((y.to(tl.int32, bitcast=True) >> 24) & 0x80)
     return code.to(tl.uint8)

@@ -5,6 +5,8 @@ On a GPU machine: ``python tests/optim/_triton_twin_check.py cuda`` runs the com
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from memgrad_hf.kernels import forge as K
 from memgrad_hf.kernels import forge_triton as T
@@ -210,12 +212,49 @@ def check_update(rule: str, case: str, device: str = "cpu") -> float:
     return worst
 
 
+@triton.jit
+def _codes_kernel(y_ptr, noise_ptr, codes_ptr, out_ptr, n, SR: tl.constexpr, POSITIVE: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Encode ``y`` and decode ``codes`` with the kernel's 8-bit state code functions (out: uint8 codes, fp32)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0)
+    noise = tl.load(noise_ptr + offs, mask=mask, other=0)
+    tl.store(codes_ptr + offs, T._code_encode(y, noise, SR, POSITIVE), mask=mask)
+    tl.store(out_ptr + offs, T._code_decode(tl.load(codes_ptr + offs, mask=mask, other=0), POSITIVE), mask=mask)
+
+
+def check_codes(device: str = "cpu") -> bool:
+    """The kernel's code functions against :mod:`state_codes`, code for code: every code decoded, and values over 16
+    binades (both signs, zeros, -0.0, the clamp past q_max, ties) encoded to nearest and stochastically."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(4096, generator=g) * 2.0 ** torch.randint(-16, 2, (4096,), generator=g).float()
+    y[:8] = torch.tensor([0.0, -0.0, 1.9375, 1.96875, 5.0, -5.0, 2.0**-10, 1.5 * 2.0**-10])
+    y[8:264] = S.decode(torch.arange(256), False) * 1.0  # every signed code's value: exact round trips
+    noise = torch.randint(0, 1 << S.NOISE_BITS, (4096,), generator=g, dtype=torch.int32)
+    ok = True
+    for positive in (False, True):
+        for sr in (False, True):
+            x = (y.abs() if positive else y).to(device)
+            want = S.encode(x.cpu(), noise if sr else None, positive)
+            codes = torch.arange(4096, device=device).remainder(256).to(torch.uint8)
+            out = torch.empty(4096, device=device)
+            _codes_kernel[(4,)](x, noise.to(device), codes, out, 4096, sr, positive, BLOCK=1024)
+            same = torch.equal(codes.cpu(), want)
+            exact = torch.equal(out.cpu(), S.decode(want, positive))
+            print(f"codes {'positive' if positive else 'signed'} {'stochastic' if sr else 'nearest'}: "
+                  f"{'equal' if same else 'DIFFER'} codes, {'exact' if exact else 'WRONG'} decode")
+            ok &= same and exact
+    return ok
+
+
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     rules = K.KERNEL_RULES
     results = [check(rule, acc, step, dev) for rule in rules for acc in (False, True) for step in (1, 7)]
     worst = max(r[0] for r in results)
     bf16_ok = max(check_bf16(rule, step, dev) for rule in rules for step in (1, 7)) <= 1.0
+    bf16_ok &= check_codes(dev)
     # reduced-precision state: nearly all values bit-identical (the same noise hash), the rest one step apart
     bf16_ok &= max(check_lowp_state(rule, state, sr, 3, dev) for rule in ("adamw", "lion", "sgd_momentum")
                    for state in ("bf16", "8bit") for sr in (False, True)) <= 0.01
