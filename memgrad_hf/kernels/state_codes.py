@@ -1,7 +1,7 @@
 """8-bit optimizer state: block-scaled 8-bit float codes, one fp32 scale per ``Q_BLOCK`` consecutive elements of a row.
 
-Two formats, both with 3 exponent bits (7 binades below the block's largest value, then even steps down to ~2^-11
-of it), stored as ``uint8``:
+Two formats, both with 3 exponent bits (7 binades down from the block's largest value, then even steps down to
+~2^-11 of it), stored as ``uint8``:
 
 - **first moments** (signed): 1 sign, 3 exponent, 4 mantissa bits (e3m4), rounded to nearest: within 2^-5 relative;
 - **sqrt(second moments)** (never negative, a denominator): 3 exponent, 5 mantissa bits (e3m5), rounded
@@ -30,7 +30,6 @@ Q_DTYPE = torch.uint8
 E_MIN = -6  # the smallest normal binade: 7 binades up to [1, 2), which holds the block's largest value
 NOISE_BITS = 16  # stochastic rounding: the mantissa's dropped fraction against 16 bits of noise
 LEGACY_DTYPE = torch.float8_e4m3fn  # 8-bit state saved before 2026-11-27: e4m3 codes, block max at 224
-LEGACY_MAX = 224.0
 
 
 def mantissa_bits(positive: bool) -> int:
@@ -51,7 +50,7 @@ def scale_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
 
 def _pow2(e: Tensor) -> Tensor:
     """``2.0**e`` for int32 ``e`` in fp32's normal range, exactly (built from the exponent bits)."""
-    return ((e + 127) * (1 << 23)).view(torch.float32)  # (products by powers of 2: faster than shifts in eager torch)
+    return ((e + 127) * (1 << 23)).view(torch.float32)
 
 
 def encode(y: Tensor, noise: Tensor | None, positive: bool) -> Tensor:

@@ -202,6 +202,15 @@ def _train(model, opt, ids, steps):
         opt.step()
 
 
+def _two_8bit_steps():
+    """A tiny Llama after two 8-bit-state AdamW steps: the model, its optimizer, the batch and a saved state dict."""
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    model = tiny_model("llama")
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-3, state_dtype="8bit")
+    _train(model, opt, ids, 2)
+    return model, opt, ids, copy.deepcopy(opt.state_dict())
+
+
 def _as_legacy(sd):
     """``sd`` as the 8-bit state was saved before 2026-11-27: float8-e4m3 codes of each block over its max / 224."""
     sd = copy.deepcopy(sd)
@@ -221,11 +230,7 @@ def test_8bit_checkpoint_from_before_2026_11_27_resumes_in_the_current_codes(mon
     """A checkpoint with e4m3 codes loads: its state re-encoded (within both formats' rounding of the saved
     values), and training goes on as from the current format's checkpoint (within the 8-bit bound)."""
     monkeypatch.setattr(forge_mod, "_MIN_8BIT_NUMEL", 0)
-    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(0))
-    a = tiny_model("llama")
-    opt_a = ForgeAdamW(a.parameters(), model=a, lr=1e-3, state_dtype="8bit")
-    _train(a, opt_a, ids, 2)
-    sd = copy.deepcopy(opt_a.state_dict())
+    a, opt_a, ids, sd = _two_8bit_steps()
     b = copy.deepcopy(a)
     opt_b = ForgeAdamW(b.parameters(), model=b, lr=1e-3, state_dtype="8bit")
     opt_b.load_state_dict(_as_legacy(sd))
@@ -251,11 +256,7 @@ def test_resume_with_another_state_dtype_converts_the_state(monkeypatch):
     """8-bit state loaded by an fp32-state optimizer comes back as its exact values (sqrt(v) squared), and fp32
     state loaded by an 8-bit one as the codes that quantizing it gives; both train on."""
     monkeypatch.setattr(forge_mod, "_MIN_8BIT_NUMEL", 0)
-    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(0))
-    a = tiny_model("llama")
-    opt_a = ForgeAdamW(a.parameters(), model=a, lr=1e-3, state_dtype="8bit")
-    _train(a, opt_a, ids, 2)
-    sd8 = copy.deepcopy(opt_a.state_dict())
+    a, opt_a, ids, sd8 = _two_8bit_steps()
     b = copy.deepcopy(a)
     opt_b = ForgeAdamW(b.parameters(), model=b, lr=1e-3, state_dtype=torch.float32)
     opt_b.load_state_dict(sd8)
