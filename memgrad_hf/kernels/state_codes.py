@@ -62,7 +62,9 @@ def encode(y: Tensor, noise: Tensor | None, positive: bool) -> Tensor:
     m = mantissa_bits(positive)
     # in place where it can be: eager torch spends more on allocating each temporary than on the op itself
     a = y.abs().clamp_(max=q_max(positive))
-    if positive:
+    if positive:  # a denominator: no positive value flushes to 0. Zeros stay 0: in an all-zero block (scale 1) the
+        # smallest code would give a row without a gradient so far (an unseen token's embedding) a sqrt(v) far above
+        # what its first gradients bring, holding its updates back for thousands of steps
         a = torch.where(a > 0, a.clamp(min=2.0 ** (E_MIN - m)), a)
     e = (a.view(torch.int32) >> 23).clamp_(min=127 + E_MIN)  # 127 + floor(log2 a); 0 -> E_MIN
     q = (m + 254 - e).mul_(1 << 23)  # exponent bits of 2^(m - floor(log2 a)) ...
