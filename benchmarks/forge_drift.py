@@ -1,14 +1,15 @@
 """How far reduced-precision optimizer state takes training from fp32 AdamW (``memgrad-hf bench forge_drift``).
 
 The same small Llama-style model, data and seed trained with HF ``Trainer`` under each optimizer; the table gives the
-optimizer state's size, the training loss along the way and, at the end, each run's distance from ``adamw_torch``'s
-weights relative to how far ``adamw_torch`` moved them (``‖W - W_ref‖ / ‖W_ref - W_0‖`` over all parameters). FORGE
-with fp32 state should sit at float noise; bf16 and 8-bit state (FORGE's, and bitsandbytes' ``adamw_bnb_8bit`` when
-installed) show what their rounding costs, and ``adamw_torch+other_order`` (the same training, its batches in
-another order) the scale of it. ``--bf16``: every optimizer trains bf16 weights, and the reference is
-``adamw_torch`` on fp32 weights (the training bf16 stands in for): torch's round-to-nearest bf16 weights lose the
-updates below half a bf16 spacing, FORGE's ``stochastic_rounding=true`` keeps them on average. Trained on the
-built-in text with a character tokenizer (no download).
+optimizer state's size, the training loss along the way and, at the end, each run's distance from the reference's
+(``adamw_torch``'s) weights relative to how far the reference moved them (``‖W - W_ref‖ / ‖W_ref - W_0‖`` over all
+parameters). FORGE with fp32 state should sit at float noise; bf16 and 8-bit state (FORGE's, and bitsandbytes'
+``adamw_bnb_8bit`` when installed) show what their rounding costs, and ``adamw_torch+other_order`` (the same
+training, its batches in another order) the scale of it. ``--reference forge_lion --lr 3e-4 --configs
+forge_lion+bf16_state forge_lion+8bit_state``: the same for Lion's state. ``--bf16``: every optimizer trains bf16
+weights, and the reference is its config on fp32 weights (the training bf16 stands in for): torch's round-to-nearest
+bf16 weights lose the updates below half a bf16 spacing, FORGE's ``stochastic_rounding=true`` keeps them on average.
+Trained on the built-in text with a character tokenizer (no download).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ CONFIGS = {
     "adamw_torch+other_order": dict(optim="adamw_torch", seed=1),
     "forge_adamw+sr": dict(optim="forge_adamw", optim_args="stochastic_rounding=true"),  # for --bf16
     "forge_adamw+8bit_state+sr": dict(optim="forge_adamw", optim_args="state_dtype=8bit,stochastic_rounding=true"),
+    # Lion's reduced-precision state against its fp32 state: --reference forge_lion (lr 3e-4 suits it)
+    "forge_lion": dict(optim="forge_lion"),
+    "forge_lion+bf16_state": dict(optim="forge_lion", optim_args="state_dtype=bf16"),
+    "forge_lion+8bit_state": dict(optim="forge_lion", optim_args="state_dtype=8bit"),
 }
 DEFAULT = ["adamw_torch", "forge_adamw", "forge_adamw+bf16_state", "forge_adamw+8bit_state", "adamw_bnb_8bit",
            "adamw_torch+other_order"]
@@ -98,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--bf16", action="store_true", help="bf16 weights; the reference: adamw_torch on fp32 weights")
+    p.add_argument("--bf16", action="store_true", help="bf16 weights; the reference: its config on fp32 weights")
+    p.add_argument("--reference", choices=list(CONFIGS), default="adamw_torch",
+                   help="the run the others are measured against (default adamw_torch; forge_lion for Lion's state)")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS),
                    help=f"default: {' '.join(DEFAULT)}; with --bf16: {' '.join(DEFAULT_BF16)}")
     p.add_argument("--threads", type=int, default=2)
@@ -108,17 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(hidden=a.hidden, layers=a.layers, seq=a.seq, batch=a.batch, steps=a.steps, lr=a.lr,
               max_grad_norm=a.max_grad_norm)
     configs = a.configs or (DEFAULT_BF16 if a.bf16 else DEFAULT)
-    if not a.bf16:  # the reference is the adamw_torch row
-        configs = ["adamw_torch", *(c for c in configs if c != "adamw_torch")]
+    if not a.bf16:  # the reference is the first row
+        configs = [a.reference, *(c for c in configs if c != a.reference)]
     print(f"# Trainer, Llama-style hidden {a.hidden} x {a.layers} layers, character vocabulary, {a.steps} steps of "
           f"{a.batch}x{a.seq} tokens, lr {a.lr} (warmup 10%, linear decay), weight decay 0.01, max_grad_norm "
-          f"{a.max_grad_norm}, {'bf16 weights (reference: adamw_torch, fp32 weights)' if a.bf16 else 'fp32 weights'}"
+          f"{a.max_grad_norm}, {f'bf16 weights (reference: {a.reference}, fp32 weights)' if a.bf16 else 'fp32 weights'}"
           ", cpu")
     print(f"# {machine('cpu')}; {versions()}\n")
     runs: dict[str, dict] = {}
     if a.bf16:
         configs = ["reference", *configs]
-        runs["reference"] = train("adamw_torch", **kw)
+        runs["reference"] = train(a.reference, **kw)
     for c in configs:
         if c in runs:
             continue
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the reference run failed: {ref['error']}")
         return 1
     marks = sorted({max(1, min(m, a.steps)) for m in (1, a.steps // 10, a.steps // 2, a.steps)})
-    moved = _distance(ref["weights"], ref["start"])  # how far adamw_torch moved the weights
+    moved = _distance(ref["weights"], ref["start"])  # how far the reference moved the weights
     head = " | ".join(f"loss @ {m}" for m in marks)
     print(f"| optimizer | state (MiB) | {head} | mean loss, last 10% | distance from the reference's weights |")
     print("|---|---:|" + "---:|" * len(marks) + "---:|---:|")
@@ -144,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         dist = _distance(r["weights"], ref["weights"])
         rel = f"{dist / moved:.1e} of its move"
         cells = " | ".join(f"{r['losses'][m - 1]:.4f}" for m in marks)
-        name = "adamw_torch, fp32 weights (reference)" if c == "reference" else c
+        name = f"{a.reference}, fp32 weights (reference)" if c == "reference" else c
         print(f"| {name} | {r['state_mib']:.2f} | {cells} | {sum(tail) / len(tail):.4f} | {rel} |", flush=True)
     return 0
 

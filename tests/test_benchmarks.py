@@ -233,3 +233,14 @@ def test_bench_forge_drift_runs_through_the_cli(capsys):
     assert set(drift) == {"adamw_torch", "forge_adamw", "forge_adamw+8bit_state"}, out
     assert drift["adamw_torch"] == 0 and drift["forge_adamw"] < 1e-4  # fp32 state: float noise
     assert 1e-4 < drift["forge_adamw+8bit_state"] < 1, out  # 8-bit state rounds, within its bound
+
+
+def test_bench_forge_drift_measures_against_another_reference(capsys):
+    rc = cli.main(["bench", "forge_drift", "--hidden", "64", "--layers", "1", "--seq", "16", "--batch", "2", "--steps",
+                   "4", "--lr", "3e-4", "--reference", "forge_lion", "--configs", "forge_lion+8bit_state"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    drift = {line.split("|")[1].strip(): float(line.split("|")[-2].split()[0]) for line in out.splitlines()
+             if line.startswith("| forge_lion")}
+    assert list(drift) == ["forge_lion", "forge_lion+8bit_state"], out  # the reference first
+    assert drift["forge_lion"] == 0 and 0 < drift["forge_lion+8bit_state"] < 1, out
