@@ -74,8 +74,9 @@ for part in $parts; do
       # torch.compile at ~1B (issue 3's time target; its layers are graph operators since 2026-11-27, and the compiled
       # graph no longer depends on the optimizer, so inductor's cache serves the second FORGE configuration and the
       # memory processes), then issue 5's medians with the inference dispatch (the twin checks first: the Titans
-      # dispatch changed since run G, and the FORGE kernel's 8-bit sqrt(v) keeps zeros at 0 since 2026-11-27; the
-      # head kernels did not change), then the host cost per layer compiled
+      # dispatch changed since run G, and the FORGE kernel's 8-bit state has new codes since 2026-11-27, e3m4 m and
+      # e3m5 sqrt(v), checked code for code by its twin check; the head kernels did not change), then the host cost
+      # per layer compiled
       timeout -k 5 270 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused adamw_torch_fused+compile \
         forge_lion+compile forge_adamw+bf16_state+compile 2>&1 | tee "$out/forge-compile.md" || status=1
