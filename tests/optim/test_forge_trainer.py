@@ -276,9 +276,13 @@ def test_forge_lion_equals_reference_lion(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [{}, dict(gradient_accumulation_steps=2, max_grad_norm=0.05,
-                                             optim_args="state_dtype=bf16,stochastic_rounding=true")],
-                         ids=["fp32", "accumulation_clipping_bf16_state"])
-def test_checkpoint_resume_is_bit_identical(tmp_path, extra):
+                                             optim_args="state_dtype=bf16,stochastic_rounding=true"),
+                                   dict(optim_args="state_dtype=8bit")],
+                         ids=["fp32", "accumulation_clipping_bf16_state", "8bit_state"])
+def test_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch, extra):
+    import memgrad_hf.optim.forge as F
+
+    monkeypatch.setattr(F, "_MIN_8BIT_NUMEL", 0)  # (8-bit state: the tiny model's matrices are below the default)
     torch.manual_seed(0)
     full = tiny_model("llama")
     part = copy.deepcopy(full)
@@ -289,6 +293,8 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, extra):
     resumed_model = tiny_model("llama", seed=123)  # different init: everything must come from the checkpoint
     t2 = Trainer(model=resumed_model, args=args, train_dataset=_data())
     t2.train(resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-2"))
+    if "8bit" in extra.get("optim_args", ""):  # the matrices' state came back as codes, not converted
+        assert any(st["exp_avg"].dtype == torch.uint8 for st in t2.optimizer.state.values())
     for (n, p), q in zip(resumed_model.named_parameters(), full.parameters(), strict=True):
         assert torch.equal(p, q), n
 
