@@ -1190,17 +1190,17 @@ class ForgeOptimizer(Optimizer):
             if scale is not None:
                 st[name + ".scale"] = scale
             return
-        if kind == K.Q_DTYPE:
-            x = K.dequantize_8bit(saved[name].to(p.device), scale, positive)
-        elif kind == LEGACY_8BIT_DTYPE:
-            x = dequantize_legacy(saved[name].to(p.device), scale)
+        # the saved values in fp32 (8-bit codes decoded, sqrt(v) squared), then stored as this optimizer keeps them
+        if kind in (K.Q_DTYPE, LEGACY_8BIT_DTYPE):
+            codes = saved[name].to(p.device)
+            x = K.dequantize_8bit(codes, scale, positive) if kind == K.Q_DTYPE else dequantize_legacy(codes, scale)
+            x = x.square() if positive else x
         else:
             x = saved[name].to(device=p.device, dtype=torch.float32)
-            x = x.sqrt() if positive and want == K.Q_DTYPE else x
         if want == K.Q_DTYPE:
-            st[name], st[name + ".scale"] = K.quantize_8bit(x, positive=positive)
+            st[name], st[name + ".scale"] = K.quantize_8bit(x.sqrt() if positive else x, positive=positive)
         else:
-            st[name] = (x.square() if positive and kind in (K.Q_DTYPE, LEGACY_8BIT_DTYPE) else x).to(want)
+            st[name] = x.to(want)
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
