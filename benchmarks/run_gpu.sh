@@ -15,7 +15,7 @@
 # PYTHONPATH line below), the three twin checks + tests/gpu_checks.py 241 s, `confirm` 191 s (its Titans table hit
 # its limit before the last shape's fwd rows: the limit is 140 s since). The machine's start took ~30 s.
 # Next session with a GPU: `bash benchmarks/gpu_wheels.sh`, then one call `... run_gpu.sh $OUT next` (carry .whl,
-# timeout_s 590): the compiled checks, the Titans kernel table with the new inference dispatch (issue 5's medians),
+# timeout_s 598): the compiled checks, the Titans kernel table with the new inference dispatch (issue 5's medians),
 # the launch / FORGE-host costs (issue 3: is the ~1B step's gap the Triton launch?) and FORGE under torch.compile.
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
 # (2026-11-22/23): checks ~4 min (first call, with the machine's start), head ~2.5 min per vocabulary (10 repeats;
@@ -82,6 +82,9 @@ for part in $parts; do
         forge_lion+compile forge_adamw+bf16_state+compile 2>&1 | tee "$out/forge-compile.md" || status=1
       timeout -k 5 50 python tests/titans/_triton_twin_check.py cuda 2>&1 | tee "$out/checks.md" || status=1
       timeout -k 5 60 python tests/optim/_triton_twin_check.py cuda 2>&1 | tee -a "$out/checks.md" || status=1
+      # (after the twin check: its Triton kernels are in the on-disk cache) no sync per layer in a FORGE step
+      timeout -k 5 25 python -c "import tests.gpu_checks as g; g.check_forge_host_waits(); raise SystemExit(len(g.FAILED))" \
+        2>&1 | tee -a "$out/checks.md" || status=1
       timeout -k 5 140 python -m benchmarks.titans --device cuda --repeats 15 --layers --kernel-shapes 48x128x64x256 \
         8x128x64x256 8x128x128x512 8x128x256x1024 2>&1 | tee "$out/titans-kernels.md" || status=1
       timeout -k 5 50 python -m benchmarks.forge_host --device cuda --configs adamw_torch_fused forge_adamw \

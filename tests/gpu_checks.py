@@ -120,7 +120,7 @@ def check_forge_trainer() -> None:
 def check_forge_headroom() -> None:
     """FORGE's headroom (one allocator call, read per layer under exact clipping) equals what the public functions
     say: peak minus allocated."""
-    from memgrad_hf.optim.forge import _headroom
+    from memgrad_hf.optim.forge_clip import headroom
 
     if not DEV.startswith("cuda"):
         return
@@ -128,7 +128,7 @@ def check_forge_headroom() -> None:
     x = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
     del x  # the peak now exceeds what is held by at least 64 MiB
     want = torch.cuda.max_memory_allocated(dev) - torch.cuda.memory_allocated(dev)
-    got = _headroom(dev)
+    got = headroom(dev)
     report(f"forge headroom ({got} bytes) vs max_memory_allocated - memory_allocated ({want})",
            abs(got - want) / max(want, 1), 0.0)
 
@@ -191,6 +191,99 @@ def check_forge_low_precision_trainer() -> None:
                max(abs(a - b) / abs(b) for a, b in zip(lt, lr_, strict=True)), 1e-3)
 
 
+def _host_waits_per_step(layers: int, optim_cls: type, kwargs: dict, patch: bool) -> int:
+    """How often the third plain-loop step of a bf16 tiny Llama with ``layers`` decoder layers makes the host wait for
+    the device. CUDA: the synchronizing calls torch's sync debug mode reports. CPU (the Triton path under the
+    interpreter): host reads of tensor values (``item``, ``bool``, ``float``, ``int``, ``tolist``) in memgrad's code,
+    except of the step counters, which live on the CPU on a GPU too (as torch.optim keeps them)."""
+    import warnings
+
+    import memgrad_hf
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=layers).to(DEV, torch.bfloat16)
+    if patch:
+        memgrad_hf.patch_model(model)
+    opt = optim_cls(model.parameters(), model=model, lr=1e-3, **kwargs)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), device=DEV)
+
+    def one_step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    one_step(), one_step()  # (state created, kernels built)
+    if DEV.startswith("cuda"):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                one_step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+    counters = {id(st["step"]) for st in opt.state.values() if "step" in st}
+    reads = [0]
+    names = ("item", "__bool__", "__float__", "__int__", "tolist")
+    originals = {n: getattr(torch.Tensor, n) for n in names}
+
+    def counting(name: str):
+        def read(self, *a, **k):
+            if id(self) not in counters and any("memgrad_hf" in f.f_code.co_filename for f in _frames()):
+                reads[0] += 1
+            return originals[name](self, *a, **k)
+        return read
+
+    for n in names:
+        setattr(torch.Tensor, n, counting(n))
+    try:
+        one_step()
+    finally:
+        for n, f in originals.items():
+            setattr(torch.Tensor, n, f)
+    return reads[0]
+
+
+def _frames():
+    f = sys._getframe(2)
+    for _ in range(4):  # the caller and a few above: memgrad's own code, not a library it calls
+        if f is None:
+            return
+        yield f
+        f = f.f_back
+
+
+def check_forge_host_waits() -> None:
+    """FORGE's step on a GPU must not wait for the device once per layer: at batch 1 the step is bound by the host,
+    which can only run ahead while nothing makes it wait. The waits of one step are counted with 2 and with 4 decoder
+    layers (16 and 30 fused linear layers, their norms hooked): the two counts must be equal."""
+    from memgrad_hf.optim import ForgeAdamW, ForgeLion
+
+    if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("  (skipped on CPU without TRITON_INTERPRET=1)")
+        return
+    configs = [("ForgeAdamW, bf16 state", ForgeAdamW, {}, False),
+               ("ForgeLion + patch_model", ForgeLion, {}, True),
+               ("ForgeAdamW, 8-bit state, stochastic rounding", ForgeAdamW,
+                {"state_dtype": "8bit", "stochastic_rounding": True}, False)]
+    if DEV.startswith("cuda"):  # (on CPU the norm pass's per-tensor sums are host dots by design)
+        configs.append(("ForgeAdamW + exact clipping", ForgeAdamW, {"max_grad_norm": 1.0}, False))
+    import memgrad_hf.optim.forge as forge
+
+    small = forge._MIN_8BIT_NUMEL
+    forge._MIN_8BIT_NUMEL = 0  # (the tiny model's matrices are below the default)
+    os.environ["MEMGRAD_BACKEND"] = "triton"  # (a GPU's default; on CPU the kernels run under the interpreter)
+    try:
+        for name, cls, kwargs, patch in configs:
+            two, four = (_host_waits_per_step(n, cls, kwargs, patch) for n in (2, 4))
+            print(f"  ({name}: {two} host waits per step with 2 layers, {four} with 4)")
+            report(f"FORGE on {DEV}, {name}: host waits per step do not grow with the layers", float(four - two), 0)
+    finally:
+        forge._MIN_8BIT_NUMEL = small
+        os.environ.pop("MEMGRAD_BACKEND", None)
+
+
 def check_triton_head() -> None:
     """The Triton head kernels (the default on CUDA) end to end: loss, log-probs, entropies and gradients
     against the torch path on the same GPU."""
@@ -250,7 +343,7 @@ def main() -> int:
     print(f"# {name}, torch {torch.__version__}", flush=True)
     checks = [lambda: check_head(torch.float32, 1e-5), lambda: check_head(torch.bfloat16, 2e-2), check_patched_model,
               check_triton_head, check_forge_trainer, check_forge_headroom, check_forge_low_precision_trainer,
-              check_titans]
+              check_forge_host_waits, check_titans]
     for c in checks:
         try:
             c()

@@ -5,21 +5,10 @@
 * Every other trainable tensor (embeddings, norms, biases, tied weights, an LM head served by the chunked head)
   is updated by a post-accumulate-grad hook the moment its gradient is complete, and the gradient is freed.
 
-Exact global-norm clipping (``max_grad_norm > 0``, ``clip="exact"``) needs the global norm before the first update.
-The loss returned by ``model(...)`` is wrapped so that its backward first only measures every gradient's norm
-(nothing is applied), then applies the clipped updates, in one of two ways (``clip_pass``):
-
-* ``"replay"``: the one backward measures the norms and records, per parameter, what its update needs (a linear
-  layer's ``dY`` and input, an embedding's looked-up rows, a small tensor's gradient, a chunked head's block walk);
-  once it ends, the records are replayed as updates. No second backward: at most the weight-gradient GEMMs run
-  twice (once for the norm, once for the update), and not even those where the tiles fit under the peak memory
-  already reached (kept for the replay). Costs the recorded ``dY`` (activation-sized, not weight-sized) until the
-  replay.
-* ``"backward"``: a norm-only backward through the whole graph (kept with ``retain_graph``), then the update
-  backward: a second backward, no extra memory. ``"auto"`` takes it under gradient checkpointing, where recording
-  would keep the recomputed activations alive.
-
-``clip="previous"`` instead clips with the previous step's exact norm (no extra pass; documented approximation).
+The optimizer is one class, :class:`ForgeOptimizer`, in parts: the updates (here), exact global-norm clipping
+(:mod:`memgrad_hf.optim.forge_clip`), the bookkeeping of weights used more than once
+(:mod:`memgrad_hf.optim.forge_uses`), checkpoints (:mod:`memgrad_hf.optim.forge_state`) and what it refuses at
+construction (:mod:`memgrad_hf.optim.forge_checks`).
 """
 
 from __future__ import annotations
@@ -29,7 +18,6 @@ import functools
 import itertools
 import logging
 import math
-import os
 import types
 import weakref
 from collections.abc import Iterable
@@ -39,19 +27,28 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from memgrad_hf.functional import retain_head_grads
 from memgrad_hf.kernels import _forced as _forced_backend
 from memgrad_hf.kernels import default_backend
 from memgrad_hf.kernels import forge as K
-from memgrad_hf.kernels.state_codes import LEGACY_DTYPE as LEGACY_8BIT_DTYPE
-from memgrad_hf.kernels.state_codes import dequantize_legacy
 from memgrad_hf.optim import forge_ops
+from memgrad_hf.optim.forge_checks import (
+    RESULT_OPTIONS,
+    check_hp,
+    check_torch_options,
+    note_gradient_readers,
+    note_low_precision_weights,
+    parse_state_dtype,
+    refuse_distributed,
+)
+from memgrad_hf.optim.forge_clip import ExactClipping, LossRoot, allow_retained_compiled_backward
+from memgrad_hf.optim.forge_state import StateCheckpointing
+from memgrad_hf.optim.forge_uses import UseTracking, segment_ends, segment_starts
 from memgrad_hf.patches import forge as P
 
 log = logging.getLogger("memgrad_hf.forge")
 
 _CLIP_MODES = ("exact", "previous")
-_CLIP_PASSES = ("auto", "replay", "backward")  # how exact clipping gets the norm first (module docstring)
+_CLIP_PASSES = ("auto", "replay", "backward")  # how exact clipping gets the norm first (see forge_clip)
 # How a chunked LM head (patch_model) produces the weight gradient FORGE consumes in vocabulary blocks:
 # "recompute" the logits in backward (no [V x H] buffer; a third more head flops), or "hold" the gradient computed in
 # forward until the head's backward (the head's usual flops; one fp32 [V x H] buffer from forward to backward);
@@ -117,50 +114,7 @@ def _gradient_state_class() -> type | None:
     return _GRADIENT_STATE[0]
 
 
-class _LossRoot(torch.autograd.Function):
-    """Identity on the loss. Its backward runs first: it marks that backward as the one whose hooked updates are
-    applied (:meth:`ForgeOptimizer._enter`) and, under exact clipping, runs the norm pass before any update."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: Tensor, opt: ForgeOptimizer, inner: list) -> Tensor:
-        ctx.opt, ctx.inner = opt, inner
-        return loss.clone()  # a scalar; a view would forbid the Trainer's in-place loss scaling
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):
-        opt = ctx.opt
-        opt._hook_new()  # parameters unfrozen since: their gradient must enter this norm
-        task = torch._C._current_graph_task_id()
-        if opt._measuring(task) or opt._root_task == task:  # (a loss wrapped twice: the outer root did it all)
-            return grad, None, None
-        if opt.needs_norm_pass and opt._is_sync():
-            if opt._replays_clip():
-                opt._begin_norm(grad.device, record=task)
-                opt._enter(task)  # (its callback is queued first: deferred gradients are measured before the replay)
-                # runs when this backward has walked the whole graph: the norm is known, the records replay
-                torch.autograd.Variable._execution_engine.queue_callback(opt._end_record)
-                return grad, None, None
-            opt._norm_pass(ctx.inner[0], grad)
-        opt._enter(task)
-        return grad, None, None
-
-
-class _NormRoot(torch.autograd.Function):
-    """Identity on the loss of a norm-only backward (``clip_pass="backward"``): marks that backward, as
-    :class:`_LossRoot` marks the update backward."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: Tensor, opt: ForgeOptimizer) -> Tensor:
-        ctx.opt = opt
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):
-        ctx.opt._enter(torch._C._current_graph_task_id())
-        return grad, None
-
-
-class ForgeOptimizer(Optimizer):
+class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
     """Base class; use :class:`ForgeAdamW`, :class:`ForgeLion` or :class:`ForgeSGD`."""
 
     rule: str = ""
@@ -218,12 +172,12 @@ class ForgeOptimizer(Optimizer):
                 "Trainer(optimizer_cls_and_kwargs=...) pass it as forge_model=model (the Trainer takes 'model' for "
                 "the parameters)."
             )
-        _refuse_distributed(model)
-        _check_torch_options(type(self).__name__, torch_options)
-        state_dtype = _parse_dtype(state_dtype)
+        refuse_distributed(model)
+        check_torch_options(type(self).__name__, torch_options)
+        state_dtype = parse_state_dtype(state_dtype)
         super().__init__(params, defaults)
-        _note_low_precision_weights(self.param_groups, state_dtype)
-        _note_gradient_readers(model)
+        note_low_precision_weights(self.param_groups, state_dtype)
+        note_gradient_readers(model)
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
         self.clip = clip
@@ -317,8 +271,8 @@ class ForgeOptimizer(Optimizer):
                              if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
         me = weakref.ref(self)  # (a deep copy of the model copies its hooks: they must not copy the optimizer)
         self._segment_hooks = [h for m in self._ckpt_layers for h in (
-            m.register_forward_pre_hook(functools.partial(_segment_starts, me)),
-            m.register_forward_hook(functools.partial(_segment_ends, me), always_call=True))]
+            m.register_forward_pre_hook(functools.partial(segment_starts, me)),
+            m.register_forward_hook(functools.partial(segment_ends, me), always_call=True))]
         counts: dict[int, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
             counts[id(p)] = counts.get(id(p), 0) + 1
@@ -334,7 +288,7 @@ class ForgeOptimizer(Optimizer):
         self._attached = True
         ForgeOptimizer._attached_now.add(self)
         if self.needs_norm_pass and not self._replays_clip():
-            _allow_retained_compiled_backward()
+            allow_retained_compiled_backward()
         self._scanned = False  # (scan_uses runs once per attach)
         # A chunked LM head hands its weight gradient over in vocabulary blocks instead of building it.
         from memgrad_hf.patches.head import set_head_weight_consumer
@@ -356,12 +310,6 @@ class ForgeOptimizer(Optimizer):
         shared = getattr(cls, "_shared_state", None)
         return bool(shared.get("sync_gradients", True)) if isinstance(shared, dict) else bool(cls().sync_gradients)
 
-    @property
-    def _exact_norm(self) -> bool:
-        # the norm the updates sum sets the next step's clipping under clip="previous": accumulated in fp64 there;
-        # otherwise it is only logged and checks finiteness (exact clipping measured the norm before the updates):
-        # a fast fp32 dot is enough
-        return self.max_grad_norm > 0 and self.clip == "previous"
 
     def _hp(self, p: Tensor) -> dict[str, Any]:
         # Read the group at call time: accelerate replaces param_group dicts, the scheduler edits "lr" in place.
@@ -389,10 +337,6 @@ class ForgeOptimizer(Optimizer):
             return torch.float32
         return self.state_dtype
 
-    @property
-    def needs_norm_pass(self) -> bool:
-        """Exact clipping is on: every backward must start with the norm-only pass."""
-        return self.max_grad_norm > 0 and self.clip == "exact"
 
     def begin_trainer(self, max_grad_norm: float) -> None:
         """Called when a ``Trainer`` starts training with this optimizer (given to it ready-made): the norm pass then
@@ -416,15 +360,6 @@ class ForgeOptimizer(Optimizer):
         if getattr(self, "_managed_by_trainer_call", False):
             self._trainer_managed = self._managed_by_trainer_call = False
 
-    def clip_root(self, loss: Tensor) -> Tensor:
-        """``loss`` (a scalar) wrapped so that its backward first runs the norm-only pass (exact clipping), then
-        the update pass, and hooked gradients that arrive in parts from nested backwards (reentrant checkpointing)
-        are applied once, complete; unchanged when ``loss`` has no graph. What ``Accelerator.backward`` (the
-        Trainer) applies to every loss after ``import memgrad_hf``."""
-        if not (isinstance(loss, Tensor) and loss.requires_grad and loss.dim() == 0) or isinstance(
-                loss.grad_fn, _LossRoot._backward_cls):  # (rooted already: the model's own loss)
-            return loss
-        return _LossRoot.apply(loss, self, [loss])
 
     def _wrap_model_forward(self) -> None:
         model, opt = self.model, self
@@ -453,10 +388,10 @@ class ForgeOptimizer(Optimizer):
         if not torch.is_grad_enabled():
             return out
         if isinstance(out, Tensor):
-            return _LossRoot.apply(out, self, [out]) if out.requires_grad and out.dim() == 0 else out
+            return LossRoot.apply(out, self, [out]) if out.requires_grad and out.dim() == 0 else out
         loss = out.get("loss") if hasattr(out, "get") else None
         if isinstance(loss, Tensor) and loss.requires_grad:
-            out["loss"] = _LossRoot.apply(loss, self, [loss])
+            out["loss"] = LossRoot.apply(loss, self, [loss])
         return out
 
     @torch.compiler.disable
@@ -501,189 +436,6 @@ class ForgeOptimizer(Optimizer):
         on = getattr(self.model, "is_activation_checkpointing", None)  # (a model without such layers; older name:)
         return bool(on if on is not None else getattr(self.model, "is_gradient_checkpointing", False))
 
-    def _replays_clip(self) -> bool:
-        """Exact clipping by recording and replaying the updates (one backward) rather than a second backward."""
-        if self.clip_pass != "auto":
-            return self.clip_pass == "replay"
-        return not self._checkpointing()
-
-    def _measuring(self, task: int) -> bool:
-        """A norm pass is under way in backward ``task`` (a loss wrapped twice, e.g. ``model(...).loss * 2`` passed
-        to :meth:`backward`, meets a second wrapper inside it: that one does nothing)."""
-        return self._mode == "norm" and self._norm_task in (task, "backward")
-
-    def _begin_norm(self, device: torch.device, record: int | None = None) -> None:
-        """Enter the norm pass: gradients are measured, not applied; with ``record`` (the id of the backward that
-        measures) their updates are recorded too, to be replayed when that backward ends.
-
-        Gradients accumulated over earlier micro-batches step aside: a .grad that appears during the pass is this
-        backward's own (autograd's, for hooked tensors and for fused weights used outside their module). Each
-        stashed sum is counted once, by whichever path meets it first (_accumulated)."""
-        if self._mode == "norm":  # an earlier recording backward never finished (e.g. it raised): nothing applied
-            log.warning("forge: a backward with exact clipping did not complete; its updates were not applied")
-            self._replays = None
-            for p, g in self._stash.items():
-                p.grad = g
-        self._mode = "norm"
-        self._norm_sq = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no syncs
-        self._room, self._room_wait = {}, {}
-        self._stash = {p: p.grad for p in self._group_index if p.grad is not None}
-        self._stash_counted = set()
-        self._replays = [] if record is not None else None
-        self._norm_task = "backward" if record is None else record
-        for p in self._stash:
-            p.grad = None
-        # Under the Trainer, trainable parameters outside the groups (unfrozen after the optimizer was built, an
-        # adapter switched on since): never updated, but their gradients count in its clip_grad_norm_(model.
-        # parameters()). A norm-only backward's gradient is set aside from theirs, which the update backward builds.
-        # (In your own loop the norm is the optimizer's parameters', as clip_grad_norm_ over them)
-        self._outside = {p: p.grad for p in self.model.parameters()
-                         if p.requires_grad and p not in self._group_index} if self._trainer_managed else {}
-        if record is None:
-            for p in self._outside:
-                p.grad = None
-
-    def _end_norm(self) -> None:
-        """Leave the norm pass: restore the stashed gradients and set the clip coefficient (or skip the step)."""
-        for p, g in self._stash.items():
-            p.grad = g
-        replayed = self._norm_task != "backward"
-        for p, before in self._outside.items():
-            g = p.grad if replayed or before is None or p.grad is None else p.grad + before
-            if g is not None:
-                self._measure(g)
-            if not replayed:
-                p.grad = before
-        self._outside = {}
-        self._stash, self._stash_counted, self._norm_task = {}, set(), None
-        norm = float(self._norm_sq.sqrt())
-        self.last_grad_norm = norm
-        self._norm_pass_seen = True
-        if not math.isfinite(norm):
-            self._mode = "skip"
-            self.skipped_steps += 1
-            log.warning("forge: non-finite gradient norm (%s); step skipped (%d so far)", norm, self.skipped_steps)
-        else:
-            self._mode = "apply"
-            self._coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
-
-    def _norm_pass(self, loss: Tensor, grad: Tensor) -> None:
-        """Backward through the graph once computing only gradient norms; sets the clip coefficient."""
-        self._begin_norm(loss.device)
-        try:
-            with retain_head_grads():
-                with torch.enable_grad():  # (a backward runs without grad mode: the root needs a graph node)
-                    root = _NormRoot.apply(loss, self)
-                try:
-                    torch.autograd.backward(root, grad, retain_graph=True)
-                except RuntimeError as e:
-                    if "donated buffers" not in str(e):
-                        raise
-                    raise RuntimeError(
-                        "memgrad_hf: FORGE's exact clipping runs a norm-only backward before the update backward "
-                        "(clip_pass='backward', the default under gradient checkpointing), and this model was "
-                        "compiled with torch's donated buffers, which allow one backward only. It was compiled before "
-                        "the FORGE optimizer was created (which turns them off): create the optimizer first, or call "
-                        "torch._dynamo.reset() and run again, or set torch._functorch.config.donated_buffer = False "
-                        "before compiling; or pass clip_pass='replay' (one backward, more memory under "
-                        "checkpointing).") from e
-        finally:
-            self._end_norm()
-
-    def _enter(self, task: int) -> None:
-        """The loss's root began backward ``task``: hooked gradients that arrive inside a backward nested in it wait
-        for its end (:meth:`_leave`). A root still set from a backward that raised is dropped (its partial gradients
-        stay in ``.grad``, as torch leaves them, and join this backward's)."""
-        if self._root_task == task:  # (a loss wrapped twice)
-            return
-        self._root_task, self._deferred = task, {}
-        # A parameter used inside a reentrant checkpointed segment and also outside it (a penalty in the loss) gets
-        # one part in this backward and one in the segment's: neither comes first reliably, so all wait
-        self._defer_all = self._reentrant_checkpointing()
-        torch.autograd.Variable._execution_engine.queue_callback(self._leave)
-
-    def _reentrant_checkpointing(self) -> bool:
-        """Whether a layer runs transformers' gradient checkpointing reentrantly."""
-        return any(_checkpoints_reentrantly(m) for m in self._ckpt_layers)
-
-    def _leave(self) -> None:
-        """The root's backward has ended: every deferred gradient is complete; apply (or measure) each once."""
-        deferred, self._deferred, self._root_task, self._defer_all = self._deferred, {}, None, False
-        self._segment_seen.clear()  # this forward's segments are back-propagated: the next forward counts anew
-        for p in deferred:
-            self._on_grad(p)
-
-    def _measure(self, g: Tensor) -> None:
-        """Add Σ g² to the norm pass's total (fp64 across tensors). On CPU each tensor's sum is one fp32 BLAS dot
-        (~4e-7 relative on a 1M-element tile, more accurate than the fp32 norm torch's own clipping takes; ~1/16 of
-        an fp64 reduction's time, which converts every element: 58 against 919 µs measured); elsewhere an fp64
-        reduction on the device (the dot's finiteness check would wait for the host)."""
-        self._norm_sq += K.norm_sq(g, exact=g.device.type != "cpu")
-
-    def _record(self, fn: Any, *args: Any) -> bool:
-        """In a recording norm pass: keep ``fn(*args)`` (the update, replayed once the norm is known)."""
-        if self._replays is None:
-            return False
-        self._replays.append(functools.partial(fn, *args))
-        return True
-
-    def _end_record(self) -> None:
-        """End of a recording norm pass: set the clip coefficient, then replay the recorded updates in the order
-        the backward produced them, each as the update pass would have run it (or, after a non-finite norm, dropping
-        them as it would)."""
-        replays, self._replays = self._replays or [], None
-        self._end_norm()
-        for fn in replays:
-            fn()
-
-    def _may_keep(self, weight: Tensor) -> bool:
-        """Whether a recording norm pass may keep this weight's gradient tiles until the replay: when they fit in
-        half the memory the step can still take without raising the process's peak so far (``_headroom``).
-
-        A read of the headroom costs ~26 µs of host time on this CPU, per layer, and a GPU's step at batch 1 waits on
-        the host; so it is read again only when the room left from the last read (less twice what was kept since)
-        is too small, and after a read that found too little, only after 1, 2, 4, ... more layers. Room otherwise
-        only grows in a backward (activations are freed): an old read errs on keeping less, and charging twice the
-        kept bytes leaves as much again for what else the backward holds meanwhile."""
-        need, dev = 2 * weight.numel() * weight.element_size(), weight.device
-        room = self._room.get(dev, 0)
-        if need > room:
-            wait, backoff = self._room_wait.get(dev, (0, 1))
-            if wait:
-                self._room_wait[dev] = (wait - 1, backoff)
-                return False
-            room = _headroom(dev) or 0
-            if need > room:
-                self._room[dev], self._room_wait[dev] = room, (backoff, 2 * backoff)
-                return False
-            self._room_wait.pop(dev, None)
-        self._room[dev] = room - need
-        return True
-
-    def _apply_tiles(self, weight: Tensor, tiles: list[tuple[int, int, Tensor]]) -> None:
-        # the replay of kept tiles: the block path (gradient accumulated over earlier micro-batches added per block)
-        blk = self._begin_blocks(weight)
-        for r0, r1, tile in tiles:
-            self._apply_block(weight, blk, r0, r1, tile)
-
-    def _replay_grad(self, p: Tensor, g: Tensor) -> None:
-        # what autograd does in the update pass: accumulate into .grad (the earlier micro-batches' sum), then the hook
-        p.grad = g if p.grad is None else p.grad + g
-        self._on_grad(p)
-
-    def _clip_coef(self) -> float:
-        if self.max_grad_norm <= 0:
-            return 1.0
-        if self.clip == "exact":
-            if not self._norm_pass_seen:
-                raise RuntimeError(
-                    "forge: max_grad_norm > 0 with clip='exact' needs the loss to come from model(...) (its .loss or "
-                    "a scalar output), or call optimizer.backward(loss). Alternatively pass clip='previous' or "
-                    "max_grad_norm=0."
-                )
-            return self._coef
-        prev = self._prev_norm
-        return 1.0 if prev is None else min(1.0, self.max_grad_norm / (prev + 1e-6))
 
     def _apply(self, p: Tensor, g: Tensor) -> None:
         """Update a hooked (non-fused) parameter from its complete gradient, then the gradient is dropped."""
@@ -925,139 +677,6 @@ class ForgeOptimizer(Optimizer):
             return forge_triton.linear_weight_step_split if split else forge_triton.linear_weight_step
         return K.linear_weight_step
 
-    def _pending(self, weight: Tensor) -> bool:
-        """Whether the weight's latest use (its layer's autograd node, or the chunked head's consumer of its gradient)
-        is alive and has not run its backward yet."""
-        prev = self._last_use.get(weight)
-        use = None if prev is None else prev()
-        if use is None:
-            return False
-        state = getattr(use, "state", None)  # (the head's consumer keeps its flag in a dict: no reference cycle)
-        return not (state.get("done") if isinstance(state, dict) else getattr(use, "done", False))
-
-    def _note_use(self, weight: Tensor, node: Any) -> None:
-        """A fused weight's use was built in forward (``node``: its layer's autograd node, or the chunked head's
-        consumer). If its previous use has not run its backward yet (a layer called twice, two forwards before one
-        backward), the weight's gradient may have several parts: for this step they are summed by autograd and
-        applied once (``_shared``). Recomputations inside a backward (gradient checkpointing) are not uses."""
-        if torch._C._current_graph_task_id() != -1:
-            return
-        if weight not in self._shared and (self._pending(weight) or weight in self._segment_seen):
-            self._mark_shared(weight, "is used more than once before one backward (a layer called twice, two "
-                                      "forwards and one loss, or an earlier forward's graph kept without a backward)",
-                              fixed=False)
-        self._last_use[weight] = weakref.ref(node)
-
-    def _note_compiled_use(self, weight: Tensor) -> None:
-        """:meth:`_note_use` for a compiled layer, whose operator leaves no Python object alive until its backward:
-        its uses not yet back-propagated are counted instead (and forgotten at :meth:`step`, where a graph kept
-        without a backward stops counting, as its autograd node does for the eager layer)."""
-        if torch._C._current_graph_task_id() != -1:  # a recomputation in backward (checkpointing): not a use
-            return
-        n = self._compiled_uses.get(weight, 0)
-        if weight not in self._shared and (n or self._pending(weight)):
-            self._mark_shared(weight, "is used more than once before one backward (a layer called twice, two "
-                                      "forwards and one loss, or an earlier forward's graph kept without a backward)",
-                              fixed=False)
-        self._compiled_uses[weight] = n + 1
-
-    def _compiled_use_done(self, weight: Tensor) -> None:
-        """A compiled layer's use was back-propagated."""
-        n = self._compiled_uses.pop(weight, 0)
-        if n > 1:
-            self._compiled_uses[weight] = n - 1
-
-    def _compiled_weight_grad(self, weight: Tensor, dw: Tensor) -> None:
-        """A compiled layer's weight gradient that its backward cannot apply (the weight's gradient has other
-        parts): summed into ``.grad`` as autograd sums the eager layer's, and applied once when this backward ends, as
-        the hook applies the eager one's (:mod:`memgrad_hf.optim.forge_ops`)."""
-        weight.grad = dw if weight.grad is None else weight.grad + dw
-        if self._root_task is not None:
-            self._deferred[weight] = None
-        elif weight not in self._compiled_pending:
-            self._compiled_pending.add(weight)
-
-            def apply() -> None:
-                self._compiled_pending.discard(weight)
-                self._on_grad(weight)
-
-            torch.autograd.Variable._execution_engine.queue_callback(apply)
-
-    def _note_segment_use(self, weight: Tensor) -> None:
-        """A fused weight's use in the first, autograd-free forward of a reentrant checkpointed segment. Each segment
-        back-propagates in a backward of its own, where its layer would apply its update at once: a weight used in
-        two segments (looped or shared layers), twice in one, or in one and outside is summed instead (``_shared``)."""
-        if weight not in self._shared and (weight in self._segment_seen or self._pending(weight)):
-            self._mark_shared(weight, "is used more than once in one forward under reentrant gradient checkpointing "
-                                      "(a layer called twice, looped layers, or a use outside its segment)",
-                              fixed=False)
-        self._segment_seen.add(weight)
-
-    def scan_uses(self, loss: Tensor) -> None:
-        """Once after :meth:`attach`: walk ``loss``'s autograd graph and count, for each fused weight, the edges into
-        its gradient accumulator. More than one (a layer called twice, a use outside its layer such as a penalty on
-        the weight in the loss) and the weight's parts are summed by autograd before its update, from this backward
-        on. Run by ``Accelerator.backward`` (the Trainer) and :meth:`backward`; a plain ``loss.backward()`` relies on
-        the checks at forward (``_note_use``) and in the hook (``_on_grad``)."""
-        if self._scanned or not isinstance(loss, Tensor) or loss.grad_fn is None:
-            return
-        self._scanned = True
-        fused = self._fused - self._shared
-        edges: dict[Tensor, int] = {}
-        seen, stack = {loss.grad_fn}, [loss.grad_fn]
-        while stack:
-            for nxt, _ in stack.pop().next_functions:
-                if nxt is None:
-                    continue
-                var = getattr(nxt, "variable", None)  # an AccumulateGrad node: a leaf's gradient accumulator
-                if var is not None:
-                    if var in fused:
-                        edges[var] = edges.get(var, 0) + 1
-                elif nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
-        for weight, n in edges.items():
-            if n > 1:
-                self._mark_shared(weight, f"has {n} uses in the loss's graph (a layer called twice, or a use outside "
-                                          "its layer)")
-
-    def _mark_shared(self, weight: Tensor, why: str, fixed: bool = True) -> None:
-        """``fixed``: from now on (found in the graph or at the hook); else for this step (found at forward: a graph
-        kept alive without a backward looks the same as a second use)."""
-        self._shared.add(weight)
-        if fixed:
-            self._shared_fixed.add(weight)
-        if weight in self._warned_shared:
-            return
-        self._warned_shared.add(weight)
-        name = next((n for n, q in self.model.named_parameters() if q is weight), "a weight")
-        if why in self._shared_unreported:  # one line per reason and step, not one per weight (prophetnet: 24)
-            self._shared_unreported[why].append(name)
-            return
-        self._shared_unreported[why] = []
-        log.warning("forge: %s %s: its gradient is summed by autograd and then applied once, as torch.optim does (its "
-                    "weight gradient exists in full for that moment).", name, why)
-
-    def _report_shared(self) -> None:
-        """The weights :meth:`_mark_shared` found this step after the first of each reason, in one line per reason."""
-        for why, names in self._shared_unreported.items():
-            if names:
-                shown = ", ".join(names[:3]) + (f" and {len(names) - 3} others" if len(names) > 3 else "")
-                many = len(names) > 1
-                log.warning("forge: as above, %d more weight%s %s: %s.", len(names), "s" if many else "",
-                            why.replace("is used", "are used", 1) if many else why, shown)
-        self._shared_unreported.clear()
-
-    def _note_update(self, p: Tensor) -> None:
-        """Warn once when a parameter is updated twice between two step() calls (each backward applies an update)."""
-        if p not in self._applied:
-            self._applied.add(p)
-        elif not self._warned_twice:
-            self._warned_twice = True
-            log.warning(
-                "forge: a second backward before optimizer.step() updated the weights again: with FORGE every "
-                "backward applies the update. For gradient accumulation in your own loop set optimizer.sync = False "
-                "before the backward of every micro-batch but the last (the Trainer does this itself).")
 
     def _hook_new(self) -> None:
         """Parameters of the groups that did not require grad when the hooks were set (unfrozen since, or added by
@@ -1072,7 +691,7 @@ class ForgeOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim``'s; the added parameters are updated by the hook path (their layers are not fused)."""
-        _check_torch_options(type(self).__name__, {k: v for k, v in param_group.items() if k in _RESULT_OPTIONS})
+        check_torch_options(type(self).__name__, {k: v for k, v in param_group.items() if k in RESULT_OPTIONS})
         super().add_param_group(param_group)
         if not hasattr(self, "_group_index"):  # (the constructor's own groups)
             return
@@ -1176,100 +795,8 @@ class ForgeOptimizer(Optimizer):
             loss = self.clip_root(loss)
         loss.backward()
 
-    def _restore_state(self, p: Tensor, st: dict[str, Any], name: str, saved: dict[str, Any]) -> None:
-        """State ``name`` of ``p`` from its saved tensor, in this optimizer's state dtype: as saved where the dtypes
-        agree (exact), else converted through fp32 -- a run resumed with another ``state_dtype``, or 8-bit state
-        saved before 2026-11-27 (float8-e4m3 codes, re-encoded in the current codes)."""
-        want, kind = self._state_dtype_for(p), saved[name].dtype
-        positive = name == "exp_avg_sq"  # 8-bit codes hold sqrt(v)
-        scale = saved.get(name + ".scale")
-        scale = None if scale is None else scale.to(device=p.device, dtype=torch.float32)
-        st.pop(name + ".scale", None)
-        if kind == want:  # torch's loaded copy, unless its cast to the weight's dtype changed it
-            st[name] = st[name] if st[name].dtype == kind else saved[name].to(p.device, copy=True)
-            if scale is not None:
-                st[name + ".scale"] = scale
-            return
-        # the saved values in fp32 (8-bit codes decoded, sqrt(v) squared), then stored as this optimizer keeps them
-        if kind in (K.Q_DTYPE, LEGACY_8BIT_DTYPE):
-            codes = saved[name].to(p.device)
-            x = K.dequantize_8bit(codes, scale, positive) if kind == K.Q_DTYPE else dequantize_legacy(codes, scale)
-            x = x.square() if positive else x
-        else:
-            x = saved[name].to(device=p.device, dtype=torch.float32)
-        if want == K.Q_DTYPE:
-            st[name], st[name + ".scale"] = K.quantize_8bit(x.sqrt() if positive else x, positive=positive)
-        else:
-            st[name] = x.to(want)
 
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd["forge"] = {"skipped_steps": self.skipped_steps, "prev_norm": self._prev_norm}
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("forge", {})
-        name = type(self).__name__
-        for group in state_dict.get("param_groups", ()):  # e.g. a torch AdamW's, saved with amsgrad=True
-            _check_torch_options(name, {k: v for k, v in group.items() if k in _RESULT_OPTIONS})
-        needed = set(K.RULES[self.rule][1])
-        for saved in state_dict.get("state", {}).values():
-            if saved and not self.rule.startswith("sgd") and not needed <= set(saved):
-                raise ValueError(
-                    f"{name}.load_state_dict: the saved state holds {sorted(k for k in saved if k != 'step')} per "
-                    f"parameter, not the {sorted(needed)} this optimizer keeps: it was saved by another optimizer "
-                    "(e.g. Lion's state loaded into AdamW)."
-                )
-        super().load_state_dict(state_dict)
-        self._plans = {}  # they point at the state tensors just replaced
-        # torch.optim casts floating state to each parameter's dtype on load (fp32 state of a bf16 weight would lose
-        # bits): every state tensor is taken again from the saved one, in the configured state dtype
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in zip(saved_ids, params, strict=True):
-            st = self.state.get(p)
-            for name in K.RULES[self.rule][1]:
-                if st and name in st:
-                    self._restore_state(p, st, name, state_dict["state"][i])
-        self.skipped_steps = extra.get("skipped_steps", 0)
-        self._prev_norm = extra.get("prev_norm")
         # load_state_dict replaces the param_group dicts; our index maps params to positions, still valid.
-
-
-def _checkpoints_reentrantly(layer: nn.Module) -> bool:
-    """Whether ``layer`` has transformers' gradient checkpointing on with ``use_reentrant`` true or not given (torch's
-    checkpoint then takes True)."""
-    func = getattr(layer, "_gradient_checkpointing_func", None)
-    return bool(layer.gradient_checkpointing) and getattr(func, "keywords", {}).get("use_reentrant") is not False
-
-
-def _segment_starts(opt_ref: Any, layer: nn.Module, args: Any) -> None:
-    """Forward pre-hook of a layer with transformers' checkpointing flag: a call that checkpoints reentrantly (its
-    forward then runs without autograd) opens a segment, whose fused-weight uses FORGE counts (``_note_segment_use``).
-    Calls inside a backward (the recomputation) and under ``no_grad`` (generation) open none."""
-    if torch.compiler.is_compiling():  # (a compiled model runs a reentrant checkpoint eagerly: only then break)
-        if layer.gradient_checkpointing and _checkpoints_reentrantly(layer):
-            _segment_starts_eagerly(opt_ref, layer, args)
-        return
-    opt = opt_ref()
-    if (opt is not None and opt._segment is None and layer.training and torch.is_grad_enabled()
-            and torch._C._current_graph_task_id() == -1 and _checkpoints_reentrantly(layer)):
-        opt._segment = layer
-
-
-def _segment_ends(opt_ref: Any, layer: nn.Module, args: Any, out: Any) -> None:
-    if torch.compiler.is_compiling():
-        if layer.gradient_checkpointing and _checkpoints_reentrantly(layer):
-            _segment_ends_eagerly(opt_ref, layer, args, out)
-        return
-    opt = opt_ref()
-    if opt is not None and opt._segment is layer:
-        opt._segment = None
-
-
-_segment_starts_eagerly = torch.compiler.disable(_segment_starts)
-_segment_ends_eagerly = torch.compiler.disable(_segment_ends)
 
 
 class ForgeAdamW(ForgeOptimizer):
@@ -1323,7 +850,7 @@ class ForgeAdamW(ForgeOptimizer):
     def __init__(self, params: Iterable[Any], model: nn.Module | None = None, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  **kwargs: Any) -> None:
-        _check_hp(lr, betas, eps, weight_decay)
+        check_hp(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), model=model,
                          **kwargs)
 
@@ -1341,7 +868,7 @@ class ForgeLion(ForgeOptimizer):
 
     def __init__(self, params: Iterable[Any], model: nn.Module | None = None, lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, **kwargs: Any) -> None:
-        _check_hp(lr, betas, 0.0, weight_decay)
+        check_hp(lr, betas, 0.0, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), model=model, **kwargs)
 
 
@@ -1359,7 +886,7 @@ class ForgeSGD(ForgeOptimizer):
     def __init__(self, params: Iterable[Any], model: nn.Module | None = None, lr: float = 1e-3,
                  momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  **kwargs: Any) -> None:
-        _check_hp(lr, (0.0, 0.0), 0.0, weight_decay)
+        check_hp(lr, (0.0, 0.0), 0.0, weight_decay)
         if not 0.0 <= momentum < 1.0 or not 0.0 <= dampening <= 1.0:
             raise ValueError(f"momentum must be in [0, 1) and dampening in [0, 1]; got {momentum}, {dampening}.")
         if nesterov and (momentum == 0 or dampening != 0):
@@ -1376,124 +903,3 @@ class ForgeSGD(ForgeOptimizer):
         return "sgd_momentum" if any(g.get("momentum", 0) != 0 for g in getattr(self, "param_groups", ())) else "sgd"
 
 
-def _allow_retained_compiled_backward() -> None:
-    """Exact clipping by a norm-only backward (``clip_pass="backward"``) back-propagates twice through one graph
-    (``retain_graph``), which a graph compiled with torch's donated buffers refuses (they free saved activations
-    during the first backward). Turned off for graphs compiled from now on, once per process, and logged: they
-    cost memory only inside a compiled backward, and only where training also checkpoints."""
-    try:
-        from torch._functorch import config as cfg
-    except ImportError:  # (no such torch internals: nothing to turn off)
-        return
-    if getattr(cfg, "donated_buffer", False):
-        cfg.donated_buffer = False
-        log.info("forge: exact clipping by a second backward (clip_pass='backward'): torch's donated buffers turned "
-                 "off for graphs compiled from now on (torch._functorch.config.donated_buffer = False), since a "
-                 "compiled graph with them allows one backward only.")
-
-
-def _headroom(device: torch.device) -> int | None:
-    """Bytes that can still be allocated without raising the peak so far: the CUDA allocator's peak minus what it
-    holds, or on Linux the resident set's high-water mark minus the resident set; None where unknown."""
-    if device.type == "cuda":
-        # one call into the allocator: max_memory_allocated / memory_allocated each flatten and sort all ~140 of its
-        # statistics in Python (~110 µs each here), and this runs per linear layer and step under exact clipping
-        stats = torch.cuda.memory_stats_as_nested_dict(device).get("allocated_bytes", {}).get("all")
-        if stats:
-            return stats["peak"] - stats["current"]
-        return torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
-    if device.type != "cpu":
-        return None
-    try:  # two fields of one raw read, not a parse of every line: 29 against 55 µs here, per linear layer and step
-        fd = os.open("/proc/self/status", os.O_RDONLY)
-        try:
-            status = os.read(fd, 1 << 16)
-        finally:
-            os.close(fd)
-        hwm, rss = (int(status[status.index(k) + len(k):].split(None, 1)[0]) for k in (b"VmHWM:", b"VmRSS:"))
-        return 1024 * (hwm - rss)
-    except (OSError, ValueError):  # (ValueError: no such field, as bytes.index says)
-        return None
-
-
-def _parse_dtype(d: torch.dtype | str | None) -> torch.dtype | None:
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "8bit": K.Q_DTYPE}
-    if d is None or (isinstance(d, str) and d.lower() == "auto"):
-        return None
-    if isinstance(d, str):
-        if d.lower() not in table:
-            raise ValueError(f"state_dtype must be one of {sorted(table) + ['auto']}; got {d!r}.")
-        return table[d.lower()]
-    if d not in (torch.float32, torch.bfloat16, K.Q_DTYPE):
-        raise ValueError(f"state_dtype must be torch.float32, torch.bfloat16 or '8bit'; got {d}.")
-    return d
-
-
-def _note_low_precision_weights(groups: list[dict[str, Any]], state_dtype: torch.dtype | None) -> None:
-    """bf16/fp16 weights with (explicitly asked for) fp32 state hold twice the state ``adamw_torch`` holds for them
-    (torch keeps state in the weights' dtype, as FORGE's default does): say so once, since users pick FORGE to save
-    memory."""
-    params = [p for g in groups for p in g["params"]]
-    low = sum(p.numel() for p in params if p.dtype in (torch.bfloat16, torch.float16))
-    if state_dtype == torch.float32 and low * 2 > sum(p.numel() for p in params):
-        log.warning(
-            "forge: the model's weights are bf16/fp16 and the optimizer state fp32 (more accurate, but twice the state "
-            "torch.optim keeps for such weights); the default (state_dtype=auto) keeps bf16 state for them, as torch "
-            "does, and optim_args='state_dtype=8bit' a quarter of it."
-        )
-
-
-def _note_gradient_readers(model: nn.Module) -> None:
-    """PEFT methods whose training reads ``.grad`` after backward, which FORGE never leaves (see the warning)."""
-    configs = getattr(model, "peft_config", None)
-    for name, cfg in (configs.items() if isinstance(configs, dict) else ()):
-        kind = str(getattr(getattr(cfg, "peft_type", None), "value", getattr(cfg, "peft_type", "")))
-        what = {"ADALORA": "AdaLoRA's rank allocation (model.update_and_allocate)",
-                "ADAMSS": "ADAMSS's adaptive subspace allocation (AdamssAsaCallback)"}.get(kind.upper())
-        if what and (kind.upper() != "ADAMSS" or getattr(cfg, "use_asa", False)):
-            log.warning(
-                "forge: adapter %r: %s scores parameters by their .grad after backward, and FORGE applies each update "
-                "inside backward and leaves no .grad: update_and_allocate raises a TypeError, a callback that skips "
-                "missing gradients silently allocates nothing. The adapter still trains, without reallocation; for "
-                "that, train it with torch.optim (e.g. optim='adamw_torch').", name, what)
-
-
-def _refuse_distributed(model: nn.Module) -> None:
-    wrapped = type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") or any(
-        type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") for m in model.modules()
-    )
-    if wrapped or (torch.distributed.is_available() and torch.distributed.is_initialized()
-                   and torch.distributed.get_world_size() > 1):
-        raise ValueError(
-            "FORGE optimizers do not support distributed training yet (DDP/FSDP/DeepSpeed): each rank would apply "
-            "its local, un-reduced gradient tiles. Train on one device, or use torch.optim.AdamW."
-        )
-
-
-_RESULT_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")  # torch.optim options FORGE does not have
-
-
-def _check_torch_options(owner: str, options: dict[str, Any]) -> None:
-    """``torch.optim`` keywords: implementation choices (``foreach``, ``fused``) are accepted (FORGE has its own
-    kernels); options that would change the result are refused when set."""
-    for key, value in options.items():
-        if key in ("foreach", "fused"):
-            continue
-        if key in _RESULT_OPTIONS:
-            if value:
-                raise ValueError(f"{owner} does not support {key}=True (torch.optim's option); use torch.optim for it.")
-            continue
-        raise TypeError(
-            f"{owner} got an unexpected keyword argument {key!r}; its options are max_grad_norm, clip, clip_pass, "
-            "state_dtype, stochastic_rounding, tile_bytes, head_grad, kernel (see its docstring)."
-        )
-
-
-def _check_hp(lr: float, betas: tuple[float, float], eps: float, wd: float) -> None:
-    if not lr >= 0:
-        raise ValueError(f"lr must be >= 0; got {lr}.")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two numbers in [0, 1); got {betas}.")
-    if not eps >= 0 or not wd >= 0:
-        raise ValueError(f"eps and weight_decay must be >= 0; got eps={eps}, weight_decay={wd}.")

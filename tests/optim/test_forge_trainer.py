@@ -90,10 +90,10 @@ def _linear_norm_path(monkeypatch, path: str) -> None:
     "gram" (the token Grams; chosen on its own for few tokens against wide layers, the tiny model's are too narrow)
     or "keep" (the tiles kept for the replay; chosen on its own when they fit under the step's peak so far)."""
     from memgrad_hf.kernels import forge as K
-    from memgrad_hf.optim import forge
+    from memgrad_hf.optim import forge_clip
 
     monkeypatch.setattr(K, "gram_pays", lambda *a: path == "gram")
-    monkeypatch.setattr(forge, "_headroom", lambda device: (1 << 40) if path == "keep" else 0)
+    monkeypatch.setattr(forge_clip, "headroom", lambda device: (1 << 40) if path == "keep" else 0)
 
 
 @pytest.mark.parametrize("tied,path", [(False, "tiles"), (True, "gram"), (False, "keep")],
@@ -131,10 +131,10 @@ def test_the_replay_reads_the_memory_headroom_only_when_the_room_read_is_used_up
     """A headroom read is host time per layer (a GPU's step at batch 1 waits on it): one read per norm pass while it
     lasts, each kept layer charged twice its gradient's bytes, and after a read without room the next ones after 1,
     2, 4, ... more layers. What is kept never changes the update (the tests above force each path)."""
-    from memgrad_hf.optim import forge
+    from memgrad_hf.optim import forge_clip
 
     reads, kept = [], []
-    monkeypatch.setattr(forge, "_headroom", lambda device: reads.append(device) or room)
+    monkeypatch.setattr(forge_clip, "headroom", lambda device: reads.append(device) or room)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(16)])  # 256 B per weight
     ref = copy.deepcopy(model)
@@ -305,16 +305,16 @@ def test_checkpoint_resume_is_bit_identical_when_the_memory_headroom_differs(tmp
     # resumed process sees another headroom, so both ways must give the same norm and update, bit for bit. (bf16
     # state: a kept tile was updated in flat chunks, a formed one in rows, and the compiled CPU update takes only
     # the rows: the last bit differed, and the full suite's resume test failed when its headroom happened to differ)
-    import memgrad_hf.optim.forge as F
+    from memgrad_hf.optim import forge_clip
 
     torch.manual_seed(0)
     full = tiny_model("llama")
     part = copy.deepcopy(full)
-    monkeypatch.setattr(F, "_headroom", lambda device: 1 << 40)  # every tile kept
+    monkeypatch.setattr(forge_clip, "headroom", lambda device: 1 << 40)  # every tile kept
     _, _, grad_norms = _train(full, _args(tmp_path / "full", "forge_adamw", max_steps=4, max_grad_norm=0.05,
                                           optim_args=optim_args))
     assert min(grad_norms) > 0.05  # clipping was active at every step
-    monkeypatch.setattr(F, "_headroom", lambda device: 0)  # every tile formed again
+    monkeypatch.setattr(forge_clip, "headroom", lambda device: 0)  # every tile formed again
     args = _args(tmp_path / "part", "forge_adamw", max_steps=4, max_grad_norm=0.05, save_strategy="steps", save_steps=2,
                  optim_args=optim_args)
     Trainer(model=part, args=args, train_dataset=_data()).train()

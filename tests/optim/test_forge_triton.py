@@ -34,3 +34,13 @@ def test_bf16_model_low_precision_state_triton_path_matches_torch_path_in_traine
     res = _run_interpreted(["-c", code], MEMGRAD_CHECK_DEVICE="cpu")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.count("PASS") == 12  # 4 configurations x (weights apart, update, losses)
+
+
+def test_forge_step_waits_for_the_device_a_fixed_number_of_times_whatever_the_layers():
+    # a GPU's step at batch 1 is bound by the host, which runs ahead only while nothing makes it wait: gpu_checks'
+    # count of host reads of device values per step (with 2 and 4 decoder layers) on the Triton path, interpreted
+    code = ("import tests.gpu_checks as g; g.check_forge_host_waits(); "
+            "print('FAILED', g.FAILED); raise SystemExit(1 if g.FAILED else 0)")
+    res = _run_interpreted(["-c", code], MEMGRAD_CHECK_DEVICE="cpu")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.count("PASS") == 3

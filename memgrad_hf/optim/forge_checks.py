@@ -1,0 +1,97 @@
+"""What FORGE optimizers refuse or warn about at construction: options, dtypes, distributed and PEFT setups."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from memgrad_hf.kernels import forge as K
+
+log = logging.getLogger("memgrad_hf.forge")
+
+
+def parse_state_dtype(d: torch.dtype | str | None) -> torch.dtype | None:
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "8bit": K.Q_DTYPE}
+    if d is None or (isinstance(d, str) and d.lower() == "auto"):
+        return None
+    if isinstance(d, str):
+        if d.lower() not in table:
+            raise ValueError(f"state_dtype must be one of {sorted(table) + ['auto']}; got {d!r}.")
+        return table[d.lower()]
+    if d not in (torch.float32, torch.bfloat16, K.Q_DTYPE):
+        raise ValueError(f"state_dtype must be torch.float32, torch.bfloat16 or '8bit'; got {d}.")
+    return d
+
+
+def note_low_precision_weights(groups: list[dict[str, Any]], state_dtype: torch.dtype | None) -> None:
+    """bf16/fp16 weights with (explicitly asked for) fp32 state hold twice the state ``adamw_torch`` holds for them
+    (torch keeps state in the weights' dtype, as FORGE's default does): say so once, since users pick FORGE to save
+    memory."""
+    params = [p for g in groups for p in g["params"]]
+    low = sum(p.numel() for p in params if p.dtype in (torch.bfloat16, torch.float16))
+    if state_dtype == torch.float32 and low * 2 > sum(p.numel() for p in params):
+        log.warning(
+            "forge: the model's weights are bf16/fp16 and the optimizer state fp32 (more accurate, but twice the state "
+            "torch.optim keeps for such weights); the default (state_dtype=auto) keeps bf16 state for them, as torch "
+            "does, and optim_args='state_dtype=8bit' a quarter of it."
+        )
+
+
+def note_gradient_readers(model: nn.Module) -> None:
+    """PEFT methods whose training reads ``.grad`` after backward, which FORGE never leaves (see the warning)."""
+    configs = getattr(model, "peft_config", None)
+    for name, cfg in (configs.items() if isinstance(configs, dict) else ()):
+        kind = str(getattr(getattr(cfg, "peft_type", None), "value", getattr(cfg, "peft_type", "")))
+        what = {"ADALORA": "AdaLoRA's rank allocation (model.update_and_allocate)",
+                "ADAMSS": "ADAMSS's adaptive subspace allocation (AdamssAsaCallback)"}.get(kind.upper())
+        if what and (kind.upper() != "ADAMSS" or getattr(cfg, "use_asa", False)):
+            log.warning(
+                "forge: adapter %r: %s scores parameters by their .grad after backward, and FORGE applies each update "
+                "inside backward and leaves no .grad: update_and_allocate raises a TypeError, a callback that skips "
+                "missing gradients silently allocates nothing. The adapter still trains, without reallocation; for "
+                "that, train it with torch.optim (e.g. optim='adamw_torch').", name, what)
+
+
+def refuse_distributed(model: nn.Module) -> None:
+    wrapped = type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") or any(
+        type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") for m in model.modules()
+    )
+    if wrapped or (torch.distributed.is_available() and torch.distributed.is_initialized()
+                   and torch.distributed.get_world_size() > 1):
+        raise ValueError(
+            "FORGE optimizers do not support distributed training yet (DDP/FSDP/DeepSpeed): each rank would apply "
+            "its local, un-reduced gradient tiles. Train on one device, or use torch.optim.AdamW."
+        )
+
+
+RESULT_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")  # torch.optim options FORGE does not have
+
+
+def check_torch_options(owner: str, options: dict[str, Any]) -> None:
+    """``torch.optim`` keywords: implementation choices (``foreach``, ``fused``) are accepted (FORGE has its own
+    kernels); options that would change the result are refused when set."""
+    for key, value in options.items():
+        if key in ("foreach", "fused"):
+            continue
+        if key in RESULT_OPTIONS:
+            if value:
+                raise ValueError(f"{owner} does not support {key}=True (torch.optim's option); use torch.optim for it.")
+            continue
+        raise TypeError(
+            f"{owner} got an unexpected keyword argument {key!r}; its options are max_grad_norm, clip, clip_pass, "
+            "state_dtype, stochastic_rounding, tile_bytes, head_grad, kernel (see its docstring)."
+        )
+
+
+def check_hp(lr: float, betas: tuple[float, float], eps: float, wd: float) -> None:
+    if not lr >= 0:
+        raise ValueError(f"lr must be >= 0; got {lr}.")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1); got {betas}.")
+    if not eps >= 0 or not wd >= 0:
+        raise ValueError(f"eps and weight_decay must be >= 0; got eps={eps}, weight_decay={wd}.")
+

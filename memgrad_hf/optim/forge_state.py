@@ -1,0 +1,76 @@
+"""FORGE's optimizer state in checkpoints: ``state_dict`` / ``load_state_dict``, converting between state dtypes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from memgrad_hf.kernels import forge as K
+from memgrad_hf.kernels.state_codes import LEGACY_DTYPE as LEGACY_8BIT_DTYPE
+from memgrad_hf.kernels.state_codes import dequantize_legacy
+from memgrad_hf.optim.forge_checks import RESULT_OPTIONS, check_torch_options
+
+
+class StateCheckpointing:
+    """The checkpoint part of :class:`memgrad_hf.optim.forge.ForgeOptimizer`: a resumed run continues exactly."""
+
+    def _restore_state(self, p: Tensor, st: dict[str, Any], name: str, saved: dict[str, Any]) -> None:
+        """State ``name`` of ``p`` from its saved tensor, in this optimizer's state dtype: as saved where the dtypes
+        agree (exact), else converted through fp32 -- a run resumed with another ``state_dtype``, or 8-bit state
+        saved before 2026-11-27 (float8-e4m3 codes, re-encoded in the current codes)."""
+        want, kind = self._state_dtype_for(p), saved[name].dtype
+        positive = name == "exp_avg_sq"  # 8-bit codes hold sqrt(v)
+        scale = saved.get(name + ".scale")
+        scale = None if scale is None else scale.to(device=p.device, dtype=torch.float32)
+        st.pop(name + ".scale", None)
+        if kind == want:  # torch's loaded copy, unless its cast to the weight's dtype changed it
+            st[name] = st[name] if st[name].dtype == kind else saved[name].to(p.device, copy=True)
+            if scale is not None:
+                st[name + ".scale"] = scale
+            return
+        # the saved values in fp32 (8-bit codes decoded, sqrt(v) squared), then stored as this optimizer keeps them
+        if kind in (K.Q_DTYPE, LEGACY_8BIT_DTYPE):
+            codes = saved[name].to(p.device)
+            x = K.dequantize_8bit(codes, scale, positive) if kind == K.Q_DTYPE else dequantize_legacy(codes, scale)
+            x = x.square() if positive else x
+        else:
+            x = saved[name].to(device=p.device, dtype=torch.float32)
+        if want == K.Q_DTYPE:
+            st[name], st[name + ".scale"] = K.quantize_8bit(x.sqrt() if positive else x, positive=positive)
+        else:
+            st[name] = x.to(want)
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["forge"] = {"skipped_steps": self.skipped_steps, "prev_norm": self._prev_norm}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("forge", {})
+        name = type(self).__name__
+        for group in state_dict.get("param_groups", ()):  # e.g. a torch AdamW's, saved with amsgrad=True
+            check_torch_options(name, {k: v for k, v in group.items() if k in RESULT_OPTIONS})
+        needed = set(K.RULES[self.rule][1])
+        for saved in state_dict.get("state", {}).values():
+            if saved and not self.rule.startswith("sgd") and not needed <= set(saved):
+                raise ValueError(
+                    f"{name}.load_state_dict: the saved state holds {sorted(k for k in saved if k != 'step')} per "
+                    f"parameter, not the {sorted(needed)} this optimizer keeps: it was saved by another optimizer "
+                    "(e.g. Lion's state loaded into AdamW)."
+                )
+        super().load_state_dict(state_dict)
+        self._plans = {}  # they point at the state tensors just replaced
+        # torch.optim casts floating state to each parameter's dtype on load (fp32 state of a bf16 weight would lose
+        # bits): every state tensor is taken again from the saved one, in the configured state dtype
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params, strict=True):
+            st = self.state.get(p)
+            for name in K.RULES[self.rule][1]:
+                if st and name in st:
+                    self._restore_state(p, st, name, state_dict["state"][i])
+        self.skipped_steps = extra.get("skipped_steps", 0)
+        self._prev_norm = extra.get("prev_norm")
