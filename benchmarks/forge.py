@@ -52,6 +52,9 @@ CONFIGS = {
     "forge_adamw+bf16_state+head": dict(optim="forge_adamw", optim_args="state_dtype=bf16", patch=True),
     "forge_lion+head": dict(optim="forge_lion", patch=True),
     "forge_adamw+8bit_state+head": dict(optim="forge_adamw", optim_args="state_dtype=8bit", patch=True),
+    # Lion's one moment in 8-bit codes: a quarter of bf16 AdamW's state bytes
+    "forge_lion+8bit_state": dict(optim="forge_lion", optim_args="state_dtype=8bit"),
+    "forge_lion+8bit_state+head": dict(optim="forge_lion", optim_args="state_dtype=8bit", patch=True),
     # gradient checkpointing (activations recomputed in backward): what is left is weights, state and gradients
     "adamw_torch_fused+gc": dict(optim="adamw_torch_fused", activation_checkpointing=True),
     "forge_adamw+bf16_state+head+gc": dict(optim="forge_adamw", optim_args="state_dtype=bf16", patch=True,
