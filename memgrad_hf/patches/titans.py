@@ -54,6 +54,7 @@ CONFIG_ATTR = "memgrad_titans"  # model.config attribute holding TitansConfig.to
 _MODEL_ATTR = "_memgrad_titans"
 _LAYER_ATTR = "_memgrad_titans_layer"
 _CACHE_ATTR = "_memgrad_titans_states"
+_MASK_ATTR = "_memgrad_titans_store_mask"  # on the module whose calls the store mask is read from (_mask_reader)
 _STATE_NAMES = ("state", "rnn_state")  # a recurrent state a model hands its layers instead of a Cache (xlstm)
 
 
@@ -65,8 +66,8 @@ class TitansPatch:
     layers_path: str  # e.g. "model.layers"
     had_config_attr: bool
     previous_config_value: Any
-    hook_ids: tuple[int, ...] = ()  # the attention-mask hooks on the model (ids survive deepcopy; handles do not)
-    store_mask: StoreMask | None = None
+    hook_ids: tuple[int, ...] = ()  # the attention-mask hooks (ids survive deepcopy; handles do not)
+    mask_path: str = ""  # the module they are on (see _mask_reader); "": the patched model itself
 
 
 @dataclass
@@ -415,8 +416,21 @@ def _layer_mask(info: _LayerInfo, x: Tensor) -> Tensor | None:
     return mask[:, mask.shape[1] - x.shape[1]:]
 
 
-def _store_mask_of(model: nn.Module) -> StoreMask:
-    return getattr(model, _MODEL_ATTR).store_mask
+def _store_mask_of(module: nn.Module) -> StoreMask:
+    return module.__dict__[_MASK_ATTR]
+
+
+def _mask_reader(model: nn.Module, layers_path: str) -> str:
+    """Path of the module whose calls say which tokens are padding or start a packed document: the one holding the
+    decoder-layer list (``model.model``), when its forward takes an ``attention_mask``, so that a call to the backbone
+    alone (a value or reward head, an embedding extractor) keeps padding out of the memory too; else the patched
+    model itself ("")."""
+    owner = layers_path.rpartition(".")[0]
+    try:
+        takes_mask = "attention_mask" in inspect.signature(model.get_submodule(owner).forward).parameters
+    except (TypeError, ValueError):
+        takes_mask = False
+    return owner if takes_mask else ""
 
 
 def _branch_heads(self: nn.Module) -> int:
@@ -553,8 +567,11 @@ def inject_titans(model: nn.Module, titans: TitansConfig | dict[str, Any]) -> nn
     previous_value = getattr(model_config, CONFIG_ATTR, None) if had_attr else None
     if model_config is not None:
         setattr(model_config, CONFIG_ATTR, config.to_dict())
-    setattr(model, _MODEL_ATTR, TitansPatch(config, path, had_attr, previous_value, (), holder))
-    getattr(model, _MODEL_ATTR).hook_ids = install_mask_hooks(model, _store_mask_of)
+    reader_path = _mask_reader(model, path)
+    reader = model.get_submodule(reader_path)
+    reader.__dict__[_MASK_ATTR] = holder  # (in __dict__: a deep copy of the model gets its own, as its layers do)
+    setattr(model, _MODEL_ATTR, TitansPatch(config, path, had_attr, previous_value,
+                                            install_mask_hooks(reader, _store_mask_of), reader_path))
     return model
 
 
@@ -584,7 +601,9 @@ def remove_titans(model: nn.Module) -> nn.Module:
             setattr(model_config, CONFIG_ATTR, patch.previous_config_value)
         elif CONFIG_ATTR in getattr(model_config, "__dict__", {}):
             delattr(model_config, CONFIG_ATTR)
-    remove_hooks(model, patch.hook_ids)
+    reader = model.get_submodule(patch.mask_path)
+    remove_hooks(reader, patch.hook_ids)
+    reader.__dict__.pop(_MASK_ATTR, None)
     delattr(model, _MODEL_ATTR)
     return model
 

@@ -1,6 +1,7 @@
 """What a model call says about its tokens, read for the Titans memory: padding (never stored) and packed-document
-starts (the memory restarts). A forward pre-hook on the patched model reads the call's ``attention_mask`` and
-``position_ids`` into a :class:`StoreMask` shared with the patched layers; a forward hook clears it.
+starts (the memory restarts). A forward pre-hook on the module holding the decoder layers (the backbone, so that
+calls to it alone are served too) reads the call's ``attention_mask`` and ``position_ids`` into a :class:`StoreMask`
+shared with the patched layers; a forward hook clears it.
 
 The mask may come in three forms, all handled:
 

@@ -445,9 +445,30 @@ def test_padding_content_never_reaches_the_memory():
         assert torch.allclose(a[mask == 1], b[mask == 1], atol=1e-6, rtol=0)
         twin = copy.deepcopy(model)  # a copy's hooks feed the copy's memory
         assert torch.allclose(twin(other, attention_mask=mask).logits[mask == 1], a[mask == 1], atol=1e-6, rtol=0)
-        # the memory reads the mask through the model's hook; once unpatched, nothing is left behind
+        # the memory reads the mask through a hook on the backbone; once unpatched, nothing is left behind
         memgrad_hf.unpatch_model(model)
-        assert not model._forward_pre_hooks and not model._forward_hooks
+        for m in (model, model.model):
+            assert not m._forward_pre_hooks and not m._forward_hooks
+        assert not any(k.startswith("_memgrad") for k in model.model.__dict__)
+
+
+def test_a_call_to_the_backbone_alone_keeps_padding_out_and_restarts_per_document():
+    # value and reward heads, embedding extractors call the backbone (model.model) directly: stock attention
+    # separates padding and packed documents there too, so the memory must
+    model = _activate(_patched("llama", layers=(0, 1)))
+    ids, mask = _left_pad([_ids(1, 4, seed=7)[0].tolist(), _ids(1, 9, seed=8)[0].tolist()])
+    other = ids.clone()
+    other[mask == 0] = 17
+    docs = [_ids(1, n, seed=s)[0] for n, s in ((5, 11), (7, 12))]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    with torch.no_grad():
+        a, b = (model.model(x, attention_mask=mask).last_hidden_state for x in (ids, other))
+        assert torch.allclose(a[mask == 1], b[mask == 1], atol=1e-6, rtol=0)
+        full = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        assert torch.allclose(full[mask == 1], a[mask == 1], atol=1e-6, rtol=0)
+        packed = model.model(torch.cat(docs)[None], position_ids=pos, use_cache=False).last_hidden_state
+        alone = [model.model(d[None], use_cache=False).last_hidden_state[0] for d in docs]
+        assert torch.allclose(packed[0], torch.cat(alone), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
