@@ -587,6 +587,8 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                 weight.grad = torch.zeros_like(weight)
             weight.grad[r0:r1] += g
             return
+        if g.dtype != weight.dtype:  # (a bf16 block of an fp32 weight under autocast: as autograd casts the gradient,
+            g = g.to(weight.dtype)   # before clipping scales it, as clip_grad_norm_ scales the fp32 .grad)
         if blk["acc"] is not None:
             g = g + blk["acc"][r0:r1]
         if self._mode == "norm":

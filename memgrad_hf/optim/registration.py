@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Any
 
 log = logging.getLogger("memgrad_hf.forge")
@@ -148,6 +149,7 @@ def register() -> None:
         trainer_optimizer._OPTIMIZER_HANDLERS[member] = _handler
     _register_callback()
     _hook_accelerator_backward()
+    _hook_torch_clip()
     _hook_trainer_train()
     _hook_optim_args_parser()
     _hook_grad_scaler()
@@ -262,17 +264,48 @@ def _hook_accelerator_backward() -> None:
 
         for o in getattr(self, "_optimizers", ()):
             inner = getattr(o, "optimizer", o)
-            if (isinstance(inner, ForgeOptimizer) and not inner._trainer_managed and max_norm
-                    and inner.max_grad_norm != max_norm and not getattr(inner, "_clip_call_warned", False)):
-                inner._clip_call_warned = True
-                log.warning(
-                    "accelerator.clip_grad_norm_(max_norm=%s) does nothing with %s: the update was applied inside "
-                    "backward, and no .grad is left to clip. Construct it with max_grad_norm=%s (exact clipping, "
-                    "before any update) instead; optimizer.last_grad_norm holds the measured norm.",
-                    max_norm, type(inner).__name__, max_norm)
+            if isinstance(inner, ForgeOptimizer):
+                _warn_clip_does_nothing(inner, max_norm, "accelerator.clip_grad_norm_")
         return original_clip(self, parameters, max_norm, *args, **kwargs)
 
     Accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+def _warn_clip_does_nothing(opt: Any, max_norm: float, caller: str) -> None:
+    """Once per optimizer: a clip call in a hand-written loop finds no ``.grad`` to clip (FORGE applied each update
+    inside backward), unless the optimizer itself clips at that norm. The Trainer's own call clips through FORGE."""
+    if (opt._trainer_managed or not max_norm or not math.isfinite(max_norm) or opt.max_grad_norm == max_norm
+            or getattr(opt, "_clip_call_warned", False)):
+        return
+    opt._clip_call_warned = True
+    log.warning(
+        "%s(max_norm=%s) does nothing with %s: the update was applied inside backward, and no .grad is left to clip "
+        "(it returns 0). Construct the optimizer with max_grad_norm=%s (exact clipping, before any update) instead; "
+        "optimizer.last_grad_norm holds the measured norm.", caller, max_norm, type(opt).__name__, max_norm)
+
+
+def _hook_torch_clip() -> None:
+    """``torch.nn.utils.clip_grad_norm_`` over parameters of an attached FORGE optimizer, the usual idiom of a
+    hand-written loop, silently clips nothing (no ``.grad`` exists): said once, with the fix."""
+    import torch
+
+    original = torch.nn.utils.clip_grad_norm_
+    if getattr(original, "_memgrad_forge", False):
+        return
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        from memgrad_hf.optim.forge import ForgeOptimizer
+
+        if ForgeOptimizer._attached_now:  # (a WeakSet: empty unless some FORGE optimizer is attached)
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            for opt in list(ForgeOptimizer._attached_now):
+                if any(p in opt._group_index for p in parameters):
+                    _warn_clip_does_nothing(opt, max_norm, "torch.nn.utils.clip_grad_norm_")
+        return original(parameters, max_norm, *args, **kwargs)
+
+    clip_grad_norm_._memgrad_forge = True  # type: ignore[attr-defined]
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
 
 
 def _register_callback() -> None:

@@ -747,3 +747,20 @@ def test_accelerate_loop_with_forge_model_clips_a_loss_computed_outside_the_mode
             opt.detach()
         weights.append(model)
     _assert_weights_close(*weights)
+
+
+def test_torch_clip_grad_norm_in_a_hand_written_loop_is_warned_about_once(caplog):
+    # the torch idiom finds no .grad (each update was applied inside backward) and silently clipped nothing
+    model = tiny_model("llama")
+    ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(0))
+    for max_grad_norm, said in ((0.0, 1), (1.0, 0)):  # the optimizer's own clipping at that norm: nothing to say
+        caplog.clear()
+        opt = ForgeAdamW(model.parameters(), model=model, lr=1e-3, max_grad_norm=max_grad_norm)
+        with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+            for _ in range(2):
+                opt.backward(model(input_ids=ids, labels=ids).loss)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+        opt.detach()
+        assert caplog.text.count("torch.nn.utils.clip_grad_norm_(max_norm=1.0) does nothing with ForgeAdamW") == said
