@@ -73,6 +73,7 @@ CONFIGS = {
     "forge_adamw+compile": dict(optim="forge_adamw", torch_compile=True),
     "forge_lion+split+compile": dict(optim="forge_lion", optim_args="kernel=split", torch_compile=True),
     "forge_adamw+bf16_state+compile": dict(optim="forge_adamw", optim_args="state_dtype=bf16", torch_compile=True),
+    "forge_lion+8bit_state+compile": dict(optim="forge_lion", optim_args="state_dtype=8bit", torch_compile=True),
 }
 
 
