@@ -156,18 +156,13 @@ def is_memgrad_patched(model: Any) -> bool:
     return is_head_patched(_causal_lm(model)) or is_head_patched(model)
 
 
-def _patched_policy(caller: Any) -> torch.nn.Module | None:
-    """The ``patch_model``ed causal LM the trainer whose ``__init__`` is ``caller`` (a frame) trains, or None. TRL
-    installs the head on the policy, then on ``self.ref_model``: the reference of a patched policy gets memgrad's head
-    too, so both score with the same kernels (log-ratios exactly 0 while the weights are equal, as with TRL's head on
-    both)."""
+def _trainer_policy(caller: Any) -> torch.nn.Module | None:
+    """The causal LM that the trainer whose ``__init__`` is ``caller`` (a frame) trains, or None."""
     from memgrad_hf.patches import _causal_lm
 
     trainer = caller.f_locals.get("self") if caller is not None else None
     policy = getattr(trainer, "model", None)
-    if not isinstance(policy, torch.nn.Module) or not is_memgrad_patched(policy):
-        return None
-    return _causal_lm(policy)
+    return _causal_lm(policy) if isinstance(policy, torch.nn.Module) else None
 
 
 def _mirror_titans(policy: torch.nn.Module, model: torch.nn.Module) -> None:
@@ -198,12 +193,15 @@ def _mirror_titans(policy: torch.nn.Module, model: torch.nn.Module) -> None:
 
 def _dispatch(model: Any, *args: Any, **kwargs: Any) -> Any:
     """What TRL's trainers call: memgrad's head for every model after ``patch_trl()``, else for ``patch_model``ed
-    models and the other models of a trainer whose policy is one (which also get its Titans memory); TRL's own
-    otherwise."""
-    policy = None if is_memgrad_patched(model) else _patched_policy(sys._getframe(1))
+    models and the other models of a trainer whose policy is one; TRL's own otherwise. TRL installs the head on the
+    policy, then on ``self.ref_model``: the reference of a patched policy gets memgrad's head too, so both score with
+    the same kernels (log-ratios exactly 0 while the weights are equal, as with TRL's head on both). The reference
+    of a policy with Titans memory gets that memory (with or without the chunked head)."""
+    policy = _trainer_policy(sys._getframe(1))
     if policy is not None:
         _mirror_titans(policy, model)
-    if _ALL_MODELS["on"] or is_memgrad_patched(model) or policy is not None:
+    of_patched_policy = policy is not None and is_memgrad_patched(policy) and not is_memgrad_patched(model)
+    if _ALL_MODELS["on"] or is_memgrad_patched(model) or of_patched_policy:
         return add_fused_lm_head(model, *args, **kwargs)
     return _trl_original()(model, *args, **kwargs)
 

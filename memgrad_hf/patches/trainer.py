@@ -139,7 +139,8 @@ def _is_trl_trainer(trainer: Any) -> bool:
 def hook_trainer_init() -> None:
     """Idempotent; called by ``import memgrad_hf``. TRL loads a trainer's module on first use (``from trl import
     GRPOTrainer``), often after ``patch_model``: when a TRL trainer is built around a patched model, the fused head its
-    ``__init__`` installs next (after ``Trainer.__init__``) becomes memgrad's, whatever the import order."""
+    ``__init__`` installs next (after ``Trainer.__init__``) becomes memgrad's, whatever the import order; around a model
+    with Titans memory, its reference model gets the memory (``memgrad_hf.grpo.fused_head._dispatch``)."""
     from transformers import Trainer
 
     original = Trainer.__init__
@@ -151,8 +152,12 @@ def hook_trainer_init() -> None:
         original(self, *args, **kwargs)
         if _is_trl_trainer(self):
             from memgrad_hf.grpo.fused_head import is_memgrad_patched, route_patched_models
+            from memgrad_hf.patches import _causal_lm
+            from memgrad_hf.patches.titans import is_titans_patched
 
-            if isinstance(self.model, nn.Module) and is_memgrad_patched(self.model):
+            # a patched head, or a Titans memory (its reference model, loaded by TRL without it, gets it: _dispatch)
+            if isinstance(self.model, nn.Module) and (is_memgrad_patched(self.model)
+                                                      or is_titans_patched(_causal_lm(self.model))):
                 route_patched_models()
 
     __init__._memgrad_route = True  # type: ignore[attr-defined]

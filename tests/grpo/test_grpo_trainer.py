@@ -278,9 +278,11 @@ def test_sft_trainer_through_memgrad_head_has_the_exact_gradient(tmp_path):
     assert "mean_token_accuracy" in trainer.state.log_history[0]  # the metrics came through the fused head too
 
 
-def test_reference_model_of_a_titans_policy_gets_its_memory(tmp_path):
+@pytest.mark.parametrize("head", [True, False], ids=["chunked_head", "memory_only"])
+def test_reference_model_of_a_titans_policy_gets_its_memory(tmp_path, head):
     # TRL loads the reference from the policy's path with a plain from_pretrained, which drops a Titans memory: it
-    # gets the policy's (GRPO's KL is then exactly 0 at step 1, as for any policy equal to its reference)
+    # gets the policy's (GRPO's KL is then exactly 0 at step 1, as for any policy equal to its reference), with or
+    # without the chunked head (a memory-only policy runs TRL's own head; its reference lacked the memory)
     import memgrad_hf
     from memgrad_hf.patches.titans import is_titans_patched, titans_branches
     from memgrad_hf.titans import TitansConfig
@@ -293,7 +295,9 @@ def test_reference_model_of_a_titans_policy_gets_its_memory(tmp_path):
             branch.out.weight.copy_(torch.randn(branch.out.weight.shape, generator=torch.Generator().manual_seed(3)))
     model.save_pretrained(tmp_path / "init")
     tok.save_pretrained(tmp_path / "init")
-    model = memgrad_hf.patch_model(titans_from_pretrained(tmp_path / "init"))
+    model = titans_from_pretrained(tmp_path / "init")
+    if head:
+        memgrad_hf.patch_model(model)
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=6, max_steps=1, logging_steps=1, report_to="none", save_strategy="no",
                       bf16=False, use_vllm=False, disable_tqdm=True, beta=0.04, seed=0)
