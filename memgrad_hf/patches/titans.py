@@ -491,10 +491,11 @@ def titans_branches(model: nn.Module) -> dict[int, nn.Module]:
 
 
 def sync_titans_config(model: nn.Module) -> None:
-    """Record the memories' current ``grad_impl`` in the model's :class:`TitansConfig` (``model.config.memgrad_titans``,
-    which ``save_pretrained`` writes, and the patch's own copy), so that a saved model reloads the gradient that ran.
-    ``FANDistillationCallback`` calls it when it switches the memories to ``"fan"``; call it after switching by hand.
-    Memories left on different gradients are recorded as they were patched.
+    """Record the memories' current ``grad_impl``, and whether their FANs are frozen, in the model's
+    :class:`TitansConfig` (``model.config.memgrad_titans``, which ``save_pretrained`` writes, and the patch's own copy),
+    so that a saved model reloads the gradient that ran and trains what trained. ``FANDistillationCallback`` calls it
+    when it switches the memories to ``"fan"``; call it after switching by hand. Memories left on different gradients
+    are recorded as they were patched.
 
     Example::
 
@@ -506,10 +507,18 @@ def sync_titans_config(model: nn.Module) -> None:
     patch = getattr(base, _MODEL_ATTR, None)
     if not isinstance(patch, TitansPatch):
         return
-    impls = {m.grad_impl for b in titans_branches(base).values() for m in b.modules() if isinstance(m, NeuralMemory)}
-    if len(impls) != 1 or patch.config.grad_impl in impls:
+    memories = [m for b in titans_branches(base).values() for m in b.modules() if isinstance(m, NeuralMemory)]
+    impls = {m.grad_impl for m in memories}
+    changes: dict[str, Any] = {}
+    if len(impls) == 1 and patch.config.grad_impl not in impls:
+        changes["grad_impl"] = impls.pop()
+    fans = [m.fan for m in memories if m.fan is not None]
+    frozen = bool(fans) and not any(p.requires_grad for f in fans for p in f.parameters())
+    if frozen != patch.config.fan_frozen:
+        changes["fan_frozen"] = frozen
+    if not changes:
         return
-    patch.config = dataclasses.replace(patch.config, grad_impl=impls.pop())
+    patch.config = dataclasses.replace(patch.config, **changes)
     if getattr(base, "config", None) is not None:
         setattr(base.config, CONFIG_ATTR, patch.config.to_dict())
 
@@ -548,6 +557,10 @@ def inject_titans(model: nn.Module, titans: TitansConfig | dict[str, Any]) -> nn
         branch = GatedMemoryBranch(dim, **config.memory_kwargs())
         if ref is not None:
             branch.to(device=ref.device, dtype=ref.dtype)
+        if config.fan_frozen:  # (saved after FANDistillationCallback froze them)
+            for m in branch.modules():
+                if isinstance(m, NeuralMemory) and m.fan is not None:
+                    m.fan.requires_grad_(False)
         branches[i] = branch
     holder = StoreMask()
     for i, branch in branches.items():

@@ -15,6 +15,8 @@ class TitansConfig:
         heads, dim_head, depth, expansion, activation, chunk_size, momentum, forget, grad_impl, max_lr: passed to
             :class:`memgrad_hf.titans.NeuralMemory` (``dim`` is the model's hidden size).
         fan: give each memory a :class:`memgrad_hf.titans.FAN` (for ``FANDistillationCallback``).
+        fan_frozen: the FANs do not train (``requires_grad=False``). Set by ``FANDistillationCallback`` when it
+            switches with ``freeze_fan_after=True``, so that a saved model reloads its FANs frozen as they were.
 
     Example::
 
@@ -34,11 +36,13 @@ class TitansConfig:
     grad_impl: str = "manual"
     max_lr: float = 0.1
     fan: bool = False
+    fan_frozen: bool = False
 
     def memory_kwargs(self) -> dict[str, Any]:
-        """The :class:`NeuralMemory` keyword arguments (everything but ``layers``)."""
+        """The :class:`NeuralMemory` keyword arguments (everything but ``layers`` and ``fan_frozen``)."""
         kw = asdict(self)
         kw.pop("layers")
+        kw.pop("fan_frozen")
         return kw
 
     def to_dict(self) -> dict[str, Any]:

@@ -236,6 +236,11 @@ def test_callback_on_a_patched_llama_switches_after_an_epoch(tmp_path, epochs, s
                                    rtol=1e-5, atol=1e-5)
     alone = load_titans(tiny_model("llama"), tmp_path / "memory")  # the memory file's own config
     assert {m.grad_impl for m in alone.modules() if isinstance(m, NeuralMemory)} == {"fan"}
+    # and the FANs frozen at the switch (freeze_fan_after) come back frozen: they kept training after a reload
+    assert model.config.memgrad_titans["fan_frozen"]
+    for reloaded in (from_pretrained(tmp_path / "saved"), alone):
+        fans = [m.fan for m in reloaded.modules() if isinstance(m, NeuralMemory)]
+        assert fans and not any(q.requires_grad for f in fans for q in f.parameters())
 
 
 @pytest.mark.parametrize("restore", [False, True])
