@@ -13,4 +13,15 @@ from memgrad_hf.patches import patch_model, unpatch_model
 
 __version__ = "0.1.0"
 
+_SUBMODULES = ("callbacks", "grpo", "kernels", "patches", "titans")  # imported on first use (TRL, Titans: not needed
+# by every user), so that ``import memgrad_hf; memgrad_hf.grpo.patch_trl()`` works as ``import memgrad_hf.grpo`` does
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"memgrad_hf.{name}")
+    raise AttributeError(f"module 'memgrad_hf' has no attribute {name!r}")
+
 __all__ = ["UnsupportedModelError", "functional", "optim", "patch_model", "unpatch_model", "__version__"]

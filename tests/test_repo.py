@@ -48,3 +48,11 @@ def test_gpu_script_names_what_exists():
     assert scripts and [s for s in scripts if not (ROOT / s).is_file()] == []
     configs = [name for run in re.findall(r"--configs((?:\s+[A-Za-z_][\w+]*)+)", text) for name in run.split()]
     assert configs and [c for c in configs if c not in CONFIGS] == []
+
+
+def test_subpackages_are_reachable_from_the_package_alone():
+    # `import memgrad_hf` then `memgrad_hf.grpo.patch_trl()` (as one writes `torch.nn...`) raised AttributeError
+    code = ("import memgrad_hf; memgrad_hf.grpo.patch_trl; memgrad_hf.titans.TitansConfig; "
+            "memgrad_hf.callbacks.FANDistillationCallback")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT), timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
