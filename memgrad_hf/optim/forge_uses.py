@@ -213,7 +213,5 @@ def segment_ends(opt_ref: Any, layer: nn.Module, args: Any, out: Any) -> None:
 
 
 _segment_starts_eagerly = torch.compiler.disable(segment_starts)
-
-
 _segment_ends_eagerly = torch.compiler.disable(segment_ends)
 
