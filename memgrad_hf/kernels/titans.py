@@ -557,6 +557,15 @@ def memory_step_autograd(
     gam = gamma if gamma.dim() == 2 else gamma.expand(G, -1)
     per_memory = torch.func.vmap(torch.func.grad(_chunk_loss, argnums=(0, 1), has_aux=True),
                                  in_dims=(0, 0, 0, 0, 0, None))
-    (gw, gg), token_loss = per_memory(ws, gam, keys, values, lr, activation)
+    try:
+        (gw, gg), token_loss = per_memory(ws, gam, keys, values, lr, activation)
+    except RuntimeError as e:
+        if "saved tensor hooks" not in str(e):
+            raise
+        raise RuntimeError(
+            'memgrad_hf Titans: grad_impl="autograd" (the torch.func.vmap(grad) reference) cannot run under saved '
+            "tensor hooks, which non-reentrant gradient checkpointing installs (HF's default, and TRL's SFTTrainer "
+            'turns checkpointing on by default). Use grad_impl="manual" (the same gradients, exact), or '
+            "gradient_checkpointing_kwargs={'use_reentrant': True}, or turn checkpointing off.") from e
     retrieved = None if queries is None else memory_forward(weights, gamma, queries, activation)
     return list(gw), gg, retrieved, token_loss if return_loss else None
