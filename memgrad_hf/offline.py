@@ -83,8 +83,8 @@ def run_recipe(main, argv: list[str] | None = None) -> int:
         return main(argv)
     except (OSError, ConnectionError) as e:  # (FileNotFoundError and transformers' hub errors are OSErrors)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: {type(e).__name__}: {first}\n"
-              "A --model/--dataset that is not a local path needs the Hugging Face hub (unset HF_HUB_OFFLINE, check "
-              "the network); a file path must exist. Without --model the recipe runs its offline demo.",
-              file=sys.stderr)
+        hint = ("Check the file's path." if isinstance(e, FileNotFoundError) else  # (a text file, not the hub)
+                "A --model/--dataset that is not a local path needs the Hugging Face hub (unset HF_HUB_OFFLINE, check "
+                "the network); a file path must exist. Without --model the recipe runs its offline demo.")
+        print(f"error: {type(e).__name__}: {first}\n{hint}", file=sys.stderr)
         return 2
