@@ -233,6 +233,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._applied: set[Tensor] = set()  # updated since the last step(): a second update there is warned about
         self._warned_twice = False
         self._warned_nosync = False
+        self._clip_call_warned = False  # a clip_grad_norm_ call that clips nothing was warned about (registration)
         self._swapped: list[nn.Module] = []
         self._hooks: list[Any] = []
         self._wrapped_forward = False
@@ -587,8 +588,10 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                 weight.grad = torch.zeros_like(weight)
             weight.grad[r0:r1] += g
             return
-        if g.dtype != weight.dtype:  # (a bf16 block of an fp32 weight under autocast: as autograd casts the gradient,
-            g = g.to(weight.dtype)   # before clipping scales it, as clip_grad_norm_ scales the fp32 .grad)
+        # a bf16 block of an fp32 weight under autocast: cast as autograd casts the gradient, before clipping scales
+        # it (as clip_grad_norm_ scales the fp32 .grad)
+        if g.dtype != weight.dtype:
+            g = g.to(weight.dtype)
         if blk["acc"] is not None:
             g = g + blk["acc"][r0:r1]
         if self._mode == "norm":

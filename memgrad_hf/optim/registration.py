@@ -275,7 +275,7 @@ def _warn_clip_does_nothing(opt: Any, max_norm: float, caller: str) -> None:
     """Once per optimizer: a clip call in a hand-written loop finds no ``.grad`` to clip (FORGE applied each update
     inside backward), unless the optimizer itself clips at that norm. The Trainer's own call clips through FORGE."""
     if (opt._trainer_managed or not max_norm or not math.isfinite(max_norm) or opt.max_grad_norm == max_norm
-            or getattr(opt, "_clip_call_warned", False)):
+            or opt._clip_call_warned):
         return
     opt._clip_call_warned = True
     log.warning(
