@@ -23,6 +23,21 @@ def accumulates_into(node_ctx: Any, index: int) -> bool:
         return False
 
 
+def refuse_func_transforms(what: str, fix: str) -> None:
+    """Raise when called under ``torch.func.grad`` / ``vjp`` / ``jvp`` / ``vmap``: ``what`` is an autograd Function
+    whose kernels write into preallocated buffers, which those transforms cannot trace (torch's own error names
+    neither the function nor a way out). ``torch.func.functionalize``, as ``torch.compile`` uses it, is let
+    through."""
+    from torch._C._functorch import TransformType, peek_interpreter_stack
+
+    top = peek_interpreter_stack()
+    if top is not None and top.key() != TransformType.Functionalize:
+        raise RuntimeError(
+            f"memgrad_hf: {what} was called under torch.func ({top.key().name.lower()}), which its chunked kernels "
+            f"do not support. {fix}"
+        )
+
+
 def refuse_create_graph(what: str, fix: str) -> None:
     """Raise inside a backward run with ``create_graph=True`` (a gradient penalty, MAML, Hessian-vector products):
     ``what`` computes its gradient with ops autograd cannot differentiate again, so the second-order terms would

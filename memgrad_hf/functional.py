@@ -21,21 +21,22 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from memgrad_hf.engine import accumulates_into, refuse_create_graph
+from memgrad_hf.engine import accumulates_into, refuse_create_graph, refuse_func_transforms
 from memgrad_hf.kernels import head as K
 from memgrad_hf.kernels import head_impl
 
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-_RETAIN = threading.local()
+# A plain global, not a threading.local: on a GPU autograd runs the backward on its own device thread, which would
+# never see a flag set by the thread that called backward.
+_RETAIN = {"on": False}
 
 
 @contextmanager
@@ -49,12 +50,12 @@ def retain_head_grads():
             torch.autograd.backward(loss, retain_graph=True)   # e.g. a norm-only pass
         loss.backward()
     """
-    prev = getattr(_RETAIN, "on", False)
-    _RETAIN.on = True
+    prev = _RETAIN["on"]
+    _RETAIN["on"] = True
     try:
         yield
     finally:
-        _RETAIN.on = prev
+        _RETAIN["on"] = prev
 
 
 def _consumes(consumer: Any, node_ctx: Any) -> bool:
@@ -97,7 +98,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 "grad_in_forward=False to linear_cross_entropy."
             )
         dx, dw, db = ctx.grads
-        retain = getattr(_RETAIN, "on", False)
+        retain = _RETAIN["on"]
         if not retain:
             ctx.grads = None  # drop our references so autograd can adopt the buffers without copying
         if dw is not None and _consumes(ctx.weight_consumer, ctx):
@@ -220,6 +221,11 @@ class _ChunkedHeadStats(torch.autograd.Function):
 
 def _check(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, chunk_size: int | None, name: str,
            softcap: float | None = None):
+    refuse_func_transforms(
+        "the chunked LM head (memgrad_hf.functional)",
+        "Use the transform on full logits (F.cross_entropy / log_softmax of hidden @ weight.T) instead, or compute "
+        "per-example gradients with ordinary autograd (one backward per example).",
+    )
     if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
         raise ValueError(f"hidden must be a floating-point tensor [..., hidden_size]; got {_desc(hidden)}.")
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
@@ -375,7 +381,9 @@ def linear_cross_entropy(
     """Cross-entropy of ``z = softcap·tanh(logit_scale·(hidden @ weight.T + bias)/softcap)`` against ``labels``.
 
     Equals ``F.cross_entropy(z.float().flatten(0, -2), labels.flatten(), ignore_index=..., label_smoothing=...,
-    reduction=...) + z_loss·mean(lse²)`` without ever building ``z``.
+    reduction=...)`` without ever building ``z``. With ``z_loss`` each non-ignored token's loss gains
+    ``z_loss·lse²`` (``lse`` its logits' log-sum-exp) before the reduction, as in Liger's and PaLM's z-loss: for
+    ``"mean"`` that adds ``z_loss·mean(lse²)`` over the non-ignored tokens.
 
     Args:
         hidden: ``[..., H]`` hidden states (fp32/bf16/fp16/fp64).
@@ -423,8 +431,8 @@ def linear_cross_entropy(
     _check(hidden, weight, labels, bias, chunk_size, "labels", softcap)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}; got {reduction!r}.")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1); got {label_smoothing}.")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1] (as F.cross_entropy); got {label_smoothing}.")
     if z_loss < 0:
         raise ValueError(f"z_loss must be >= 0; got {z_loss}.")
     if num_items_in_batch is not None and reduction == "none":
@@ -458,7 +466,8 @@ def linear_cross_entropy(
     if n_valid == 0:
         # zero gradients (as torch's ignored rows get) and the value 0 / denom (nan for a mean over no token); the
         # division stays off the graph: 0 * (1 / 0) would make the gradients nan, and a Trainer's weights with them
-        zero = sum(t.sum() * 0.0 for t in (hv, weight, bias) if t is not None).to(acc_out)
+        # (an empty slice's sum, not t.sum() * 0: that is nan where t holds an inf, a masked vocabulary row's bias)
+        zero = sum(t.reshape(-1)[:0].sum() for t in (hv, weight, bias) if t is not None).to(acc_out)
         return zero + zero.detach() / denom
     hold = weight_grad_consumer is not None and grad_in_forward is True  # only when asked for explicitly
     if grad_in_forward is None:  # the Triton backend's fused kernel is its fast path

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memgrad_hf.functional import linear_cross_entropy, linear_logprobs
+from memgrad_hf.functional import linear_cross_entropy, linear_logprobs, retain_head_grads
 from tests.helpers import LargestTensor, entropy_grad_errors, rel_err
 
 N, D, V = 45, 16, 103
@@ -41,6 +41,8 @@ CE_CASES = [
     {"reduction": "sum"},
     {"reduction": "none"},
     {"reduction": "none", "label_smoothing": 0.2, "z_loss": 1e-3},
+    {"reduction": "sum", "z_loss": 1e-2},
+    {"label_smoothing": 1.0},
     {"num_items_in_batch": 50},
     {"num_items_in_batch": torch.tensor(61)},
 ]
@@ -56,7 +58,7 @@ def test_cross_entropy_matches_torch_fp32(kw, bias, chunk):
     ref = F.cross_entropy(z, y, label_smoothing=kw.get("label_smoothing", 0.0), reduction=red)
     if kw.get("z_loss"):
         zl = kw["z_loss"] * torch.logsumexp(z, -1).square() * (y != -100)
-        ref = ref + (zl if red == "none" else zl.sum() / (y != -100).sum())
+        ref = ref + {"none": zl, "sum": zl.sum(), "mean": zl.sum() / (y != -100).sum()}[red]  # per token, reduced
     if "num_items_in_batch" in kw:
         ref = ref / kw["num_items_in_batch"]
     out = linear_cross_entropy(h, w, y, bias=b, chunk_size=chunk, **kw)
@@ -80,12 +82,17 @@ def test_cross_entropy_batched_shapes_and_no_grad():
     assert none.shape == (3, 5)
 
 
+@pytest.mark.parametrize("masked_rows", [False, True])  # a bias of -inf on vocabulary rows never to be predicted
 @pytest.mark.parametrize("items", [None, 0, 4])  # 0: a Trainer's fully masked batch (num_items_in_batch=0)
-def test_all_ignored_gives_torchs_value_and_zero_gradients(items):
+def test_all_ignored_gives_torchs_value_and_zero_gradients(items, masked_rows):
     # the value as torch's (nan for a mean over no token), every gradient exactly 0 as torch gives ignored rows
-    # (the weight's was nan, which a Trainer's clipping and optimizer spread to every weight)
+    # (the weight's was nan, which a Trainer's clipping and optimizer spread to every weight; with an -inf bias the
+    # value was nan where torch's is 0)
     h, w, b, y = _inputs(bias=True)
     y[:] = -100
+    if masked_rows:
+        with torch.no_grad():
+            b[:3] = float("-inf")
     ours = linear_cross_entropy(h, w, y, bias=b, num_items_in_batch=items)
     ref = F.cross_entropy(F.linear(h, w, b), y, reduction="mean" if items is None else "sum")
     ref = ref if items is None else ref / items
@@ -577,3 +584,33 @@ def test_num_items_zero_divides_as_a_tensor_zero_does(grad_in_forward):
     got = linear_cross_entropy(h, w, y, num_items_in_batch=0, grad_in_forward=grad_in_forward)
     ref = linear_cross_entropy(h, w, y, num_items_in_batch=torch.tensor(0), grad_in_forward=grad_in_forward)
     assert torch.isinf(got) and got == ref
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_are_refused_by_name(transform):
+    # torch's own errors ("Batching rule not implemented for aten::mm.out", "must override setup_context") named
+    # neither the chunked head nor a way out
+    h, w, _, y = _inputs()
+    if transform == "grad":
+        run = lambda: torch.func.grad(lambda x: linear_cross_entropy(x, w, y))(h)  # noqa: E731
+    else:
+        run = lambda: torch.func.vmap(lambda x: linear_logprobs(x, w, y))(h.unsqueeze(0).expand(2, -1, -1))  # noqa: E731
+    with pytest.raises(RuntimeError, match=rf"memgrad_hf: the chunked LM head .* under torch.func \({transform}\)"):
+        run()
+
+
+def test_retain_head_grads_holds_in_the_thread_autograd_runs_the_backward_on():
+    # on a GPU autograd runs the backward on a device thread, not the caller's: a flag kept per thread was not seen
+    # there, and the second backward (FORGE's norm pass, then its update pass) failed. Here the backward runs on
+    # another thread than the one that entered the context.
+    import threading
+
+    h, w, _, y = _inputs()
+    loss = linear_cross_entropy(h, w, y, grad_in_forward=True)
+    with retain_head_grads():
+        worker = threading.Thread(target=lambda: torch.autograd.backward(loss, retain_graph=True))
+        worker.start()
+        worker.join()
+    first = h.grad.clone()
+    loss.backward()
+    assert torch.allclose(h.grad, 2 * first)
