@@ -340,27 +340,37 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
 
 
     def begin_trainer(self, max_grad_norm: float) -> None:
-        """Called when a ``Trainer`` starts training with this optimizer (given to it ready-made): the norm pass then
-        hooks into ``Accelerator.backward`` as for one the Trainer built, and the Trainer's ``max_grad_norm`` applies
-        as it would to any optimizer, on top of this one's own (clipping at one norm and then at another is clipping
-        at the smaller)."""
-        if max_grad_norm > 0 and (self.max_grad_norm == 0 or max_grad_norm < self.max_grad_norm):
-            if self.max_grad_norm:
-                log.warning("%s: clipping at the Trainer's max_grad_norm=%s, below the optimizer's own %s.",
-                            type(self).__name__, max_grad_norm, self.max_grad_norm)
-            self.max_grad_norm = float(max_grad_norm)
+        """Called when a ``Trainer`` starts training with this optimizer. One the Trainer built (``--optim
+        forge_*``) clips at the Trainer's ``max_grad_norm`` as it is now, as the Trainer clips its own optimizers
+        (a value changed between two ``train()`` calls applies). One given to it ready-made keeps its own norm, and
+        the Trainer's applies on top (clipping at one norm and then at another is clipping at the smaller) until
+        ``end_trainer`` gives its own back; its norm pass then hooks into ``Accelerator.backward`` as for one the
+        Trainer built."""
         if not self._trainer_managed:
             self.detach()  # (undoes the forward wrapper of a hand-written loop's exact clipping)
             self._trainer_managed = True
             self._managed_by_trainer_call = True
+            self._own_max_grad_norm = self.max_grad_norm
+        if getattr(self, "_managed_by_trainer_call", False):
+            own = self._own_max_grad_norm
+            if max_grad_norm > 0 and (own == 0 or max_grad_norm < own):
+                if own:
+                    log.warning("%s: clipping at the Trainer's max_grad_norm=%s, below the optimizer's own %s.",
+                                type(self).__name__, max_grad_norm, own)
+                self.max_grad_norm = float(max_grad_norm)
+            else:
+                self.max_grad_norm = own
+        else:
+            self.max_grad_norm = float(max_grad_norm)
         self.attach()
 
     def end_trainer(self) -> None:
-        """``Trainer.train()`` ended (or stopped): detach, and hand a ready-made optimizer back to hand-written use."""
+        """``Trainer.train()`` ended (or stopped): detach, and hand a ready-made optimizer back to hand-written use
+        with its own ``max_grad_norm``."""
         self.detach()
         if getattr(self, "_managed_by_trainer_call", False):
             self._trainer_managed = self._managed_by_trainer_call = False
-
+            self.max_grad_norm = self._own_max_grad_norm
 
     def _wrap_model_forward(self) -> None:
         model, opt = self.model, self
@@ -744,6 +754,15 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
     # ------------------------------------------------------------------------------------------- Optimizer API
 
     @torch.no_grad()
+    def _outside_norm_sq(self) -> float:
+        """Under the Trainer, the squared norm of the gradients of trainable parameters outside the groups (unfrozen
+        after the optimizer was built): never updated, but the Trainer's norm is over ``model.parameters()``. (The
+        norm pass counts them itself; this is for steps without one.)"""
+        if not self._trainer_managed or self.model is None:
+            return 0.0
+        return sum(float(p.grad.detach().float().square().sum()) for p in self.model.parameters()
+                   if p.requires_grad and p.grad is not None and p not in self._group_index)
+
     def step(self, closure: Any = None) -> Any:
         """The updates already happened in backward; this closes the step (bookkeeping, logging)."""
         loss = None
@@ -777,6 +796,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             now, bad = now + float(norm_sq), bad + int(skipped)
             norm_sq.zero_(), skipped.zero_()
         if self.max_grad_norm <= 0 or self.clip == "previous":
+            now += self._outside_norm_sq()
             self.last_grad_norm = math.sqrt(now) if math.isfinite(now) else float("nan")
             self._prev_norm = self.last_grad_norm
         if bad:

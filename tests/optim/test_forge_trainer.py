@@ -538,10 +538,11 @@ def test_reentrant_checkpointing_with_accumulation_marks_no_weight_as_used_twice
     assert "used more than once" not in caplog.text
 
 
-@pytest.mark.parametrize("clip_pass", ["replay", "backward"])
-def test_parameters_unfrozen_outside_the_optimizer_count_in_the_clipping_norm(tmp_path, clip_pass):
+@pytest.mark.parametrize("max_grad_norm,clip_pass", [(0.05, "replay"), (0.05, "backward"), (0.0, "auto")])
+def test_parameters_unfrozen_outside_the_optimizer_count_in_the_clipping_norm(tmp_path, max_grad_norm, clip_pass):
     # The Trainer clips over model.parameters(): a parameter made trainable after the optimizer was built is never
-    # updated, but its gradient enters the norm (FORGE measured only its groups: grad_norm and clipping differed)
+    # updated, but its gradient enters the norm (FORGE measured only its groups: grad_norm and clipping differed;
+    # without clipping the logged grad_norm left it out)
     from transformers import TrainerCallback
 
     class Unfreeze(TrainerCallback):
@@ -553,7 +554,7 @@ def test_parameters_unfrozen_outside_the_optimizer_count_in_the_clipping_norm(tm
     gn = []
     for model, optim in zip(models, ("forge_adamw", "adamw_torch"), strict=True):
         model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
-        args = _args(tmp_path / optim, optim, max_grad_norm=0.05,
+        args = _args(tmp_path / optim, optim, max_grad_norm=max_grad_norm,
                      **({"optim_args": f"clip_pass={clip_pass}"} if optim == "forge_adamw" else {}))
         t = Trainer(model=model, args=args, train_dataset=_data(), callbacks=[Unfreeze()])
         t.train()

@@ -437,6 +437,24 @@ def test_a_ready_made_forge_optimizer_clips_at_the_trainers_max_grad_norm(tmp_pa
     assert [h["loss"] for h in hist] == pytest.approx(lb, rel=1e-5)
     assert [h["grad_norm"] for h in hist] == pytest.approx(gb, rel=1e-5)
     _assert_weights_close(model, ref)
+    if how == "instance":  # handed back to a hand-written loop with its own norm (it kept the Trainer's 0.5)
+        assert trainer.optimizer.optimizer.max_grad_norm == 0.0
+
+
+@pytest.mark.parametrize("second", [0.0, 2.0])
+def test_max_grad_norm_changed_between_two_trains_applies_as_with_adamw_torch(tmp_path, second):
+    # The Trainer clips its optimizer at args.max_grad_norm as it is at each step; FORGE kept the value it was built
+    # with when it went up or to 0 (weights 2.8e-2 apart after the second train())
+    models = [tiny_model("llama"), tiny_model("llama")]
+    for model, optim in zip(models, ("forge_adamw", "adamw_torch"), strict=True):
+        trainer = Trainer(model=model, args=_args(tmp_path / optim, optim, max_grad_norm=0.5, max_steps=2),
+                          train_dataset=_data())
+        trainer.train()
+        trainer.args.max_grad_norm = second
+        trainer.train()
+        if optim == "forge_adamw":
+            assert trainer.optimizer.optimizer.max_grad_norm == second
+    _assert_weights_close(*models)
 
 
 def test_a_ready_made_forge_optimizer_keeps_accelerates_autocast_over_two_trains(tmp_path):
