@@ -33,6 +33,7 @@ from memgrad_hf.kernels import forge as K
 from memgrad_hf.optim import forge_ops
 from memgrad_hf.optim.forge_checks import (
     RESULT_OPTIONS,
+    check_flag,
     check_hp,
     check_torch_options,
     note_gradient_readers,
@@ -185,7 +186,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self.head_grad = head_grad
         self.kernel = kernel
         self.tile_bytes = None if tile_bytes is None else int(tile_bytes)
-        self.stochastic_rounding = bool(stochastic_rounding)
+        self.stochastic_rounding = check_flag(type(self).__name__, "stochastic_rounding", stochastic_rounding)
         self.state_dtype = state_dtype
         self.sync: bool | None = None  # None: follow accelerate's GradientState (Trainer); else set by the user
         self.skipped_steps = 0
@@ -912,13 +913,14 @@ class ForgeSGD(ForgeOptimizer):
                  momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  **kwargs: Any) -> None:
         check_hp(lr, (0.0, 0.0), 0.0, weight_decay)
+        nesterov = check_flag(type(self).__name__, "nesterov", nesterov)
         if not 0.0 <= momentum < 1.0 or not 0.0 <= dampening <= 1.0:
             raise ValueError(f"momentum must be in [0, 1) and dampening in [0, 1]; got {momentum}, {dampening}.")
         if nesterov and (momentum == 0 or dampening != 0):
             raise ValueError("nesterov=True needs momentum > 0 and dampening=0 (as torch.optim.SGD).")
         groups = list(params)
         super().__init__(groups, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=bool(nesterov)), model=model, **kwargs)
+                                      nesterov=nesterov), model=model, **kwargs)
 
     @property
     def rule(self) -> str:  # type: ignore[override]

@@ -27,6 +27,14 @@ def parse_state_dtype(d: torch.dtype | str | None) -> torch.dtype | None:
     return d
 
 
+def check_flag(owner: str, name: str, value: Any) -> bool:
+    """``value`` as a bool, refusing what is not one: ``bool("false")`` is True, so a flag read from a config file
+    as a string would silently turn on."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{owner}: {name} must be True or False; got {value!r} ({type(value).__name__}).")
+
+
 def note_low_precision_weights(groups: list[dict[str, Any]], state_dtype: torch.dtype | None) -> None:
     """bf16/fp16 weights with (explicitly asked for) fp32 state hold twice the state ``adamw_torch`` holds for them
     (torch keeps state in the weights' dtype, as FORGE's default does): say so once, since users pick FORGE to save

@@ -257,6 +257,14 @@ class ExactClipping:
             return 1.0
         if self.clip == "exact":
             if not self._norm_pass_seen:
+                if self._trainer_managed:  # under a Trainer the norm pass enters through Accelerator.backward
+                    raise RuntimeError(
+                        "forge: under Trainer, exact clipping (max_grad_norm > 0, clip='exact') measures the norm "
+                        "inside Accelerator.backward, and this backward did not go through it (a training_step or "
+                        "compute_loss override calling loss.backward()?): call self.accelerator.backward(loss) "
+                        "instead, as Trainer.training_step does. Alternatively optim_args='clip=previous' or "
+                        "max_grad_norm=0. Nothing was updated by this backward."
+                    )
                 raise RuntimeError(
                     "forge: max_grad_norm > 0 with clip='exact' needs the loss to come from model(...) (its .loss or "
                     "a scalar output), or call optimizer.backward(loss). Alternatively pass clip='previous' or "

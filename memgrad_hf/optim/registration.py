@@ -63,6 +63,17 @@ def _parse_bytes(v: str) -> int:
                          f"got {v!r}.") from None
 
 
+# hyperparameters users try in optim_args, and the TrainingArguments that set them
+_TRAINER_HPARAMS = {
+    **dict.fromkeys(("lr", "learning_rate"), "--learning_rate (TrainingArguments(learning_rate=...))"),
+    "weight_decay": "--weight_decay (TrainingArguments(weight_decay=...))",
+    **dict.fromkeys(("betas", "beta1", "beta2", "adam_beta1", "adam_beta2"),
+                    "--adam_beta1 / --adam_beta2 (TrainingArguments(adam_beta1=..., adam_beta2=...); forge_lion "
+                    "reads its betas from them too)"),
+    **dict.fromkeys(("eps", "epsilon", "adam_epsilon"), "--adam_epsilon (TrainingArguments(adam_epsilon=...))"),
+}
+
+
 def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
     from memgrad_hf.optim.forge import ForgeAdamW, ForgeLion, ForgeSGD
 
@@ -96,6 +107,11 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             kwargs[key] = _parse_float(key, value)
         elif cls is ForgeSGD and key == "nesterov":
             kwargs["nesterov"] = _parse_bool(value)
+        elif key in _TRAINER_HPARAMS:
+            raise ValueError(
+                f"optim_args {key}: {name} takes this from the Trainer's own arguments, as adamw_torch does; set "
+                f"{_TRAINER_HPARAMS[key]} instead."
+            )
         else:
             raise ValueError(
                 f"optim_args key {key!r} is not understood by {name}; supported: clip=exact|previous, "

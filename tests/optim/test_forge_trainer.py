@@ -372,6 +372,12 @@ def test_fp16_and_bad_optim_args_are_refused(tmp_path):
     with pytest.raises(ValueError, match="optim_args"):
         t = Trainer(model=model, args=_args(tmp_path, "forge_adamw", optim_args="foo=1"), train_dataset=_data())
         t.create_optimizer()
+    for optim, key, flag in (("forge_adamw", "weight_decay", "--weight_decay"),
+                             ("forge_lion", "beta2", "--adam_beta1 / --adam_beta2"),
+                             ("forge_adamw", "eps", "--adam_epsilon")):
+        with pytest.raises(ValueError, match=f"optim_args {key}: .* set {flag}"):  # where it goes, not only "unknown"
+            Trainer(model=model, args=_args(tmp_path, optim, optim_args=f"{key}=0.5"),
+                    train_dataset=_data()).create_optimizer()
 
 
 def _steps_side_by_side(model, opt, ref, ref_opt, ids, steps: int) -> None:
@@ -413,6 +419,10 @@ def test_constructor_errors():
         ForgeAdamW(model.parameters(), model=model, betas=(0.9, 1.5))
     with pytest.raises(ValueError, match="tile_bytes"):
         ForgeAdamW(model.parameters(), model=model, tile_bytes=0)
+    with pytest.raises(TypeError, match="stochastic_rounding must be True or False"):  # bool("false") is True
+        ForgeAdamW(model.parameters(), model=model, stochastic_rounding="false")
+    with pytest.raises(TypeError, match="nesterov must be True or False"):
+        ForgeSGD(model.parameters(), model=model, momentum=0.9, nesterov="false")
     opt = ForgeAdamW(model.parameters(), model=model)  # automatic tiles: 4 MiB on CPU, 64 MiB on a GPU
     assert opt._tile_bytes(model.lm_head.weight) == 4 << 20
     # on a GPU, kernel="auto" (default): cuBLAS tiles (split) for weights of 4096 x 4096 elements and more, whose

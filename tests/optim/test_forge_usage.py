@@ -782,3 +782,21 @@ def test_torch_clip_grad_norm_in_a_hand_written_loop_is_warned_about_once(caplog
                 opt.zero_grad()
         opt.detach()
         assert caplog.text.count("torch.nn.utils.clip_grad_norm_(max_norm=1.0) does nothing with ForgeAdamW") == said
+
+
+def test_a_training_step_override_calling_loss_backward_is_told_to_use_accelerator_backward(tmp_path):
+    # Under the Trainer exact clipping enters through Accelerator.backward; an older custom training_step calling
+    # loss.backward() was told its loss must "come from model(...)", which it did, and not the fix
+    class PlainBackward(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            loss.backward()
+            return loss.detach()
+
+    model = tiny_model("llama")
+    before = copy.deepcopy(model)
+    trainer = PlainBackward(model=model, args=_args(tmp_path, "forge_adamw", max_grad_norm=1.0),
+                            train_dataset=_data())
+    with pytest.raises(RuntimeError, match=r"call self\.accelerator\.backward\(loss\)"):
+        trainer.train()
+    _assert_weights_close(model, before, rtol=0.0)  # nothing was updated
