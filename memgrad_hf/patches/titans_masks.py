@@ -36,6 +36,7 @@ class StoreMask:
     mask: Tensor | None = None  # (B, past + T) or (B, T), 1/True = a real token; None when every token is real
     starts: Tensor | None = None  # (B or 1, T) bool: a document starts here; None when no row holds two
     left_pad_warned: bool = False
+    uncovered_warned: bool = False  # a 4-D mask padding could not be read from (said once)
 
 
 def document_starts(position_ids: Any) -> Tensor | None:
@@ -101,14 +102,17 @@ def install_mask_hooks(model: nn.Module, holder_of: Callable[[nn.Module], StoreM
         holder.mask = holder.starts = None
         if isinstance(m, Tensor) and m.dim() == 4:
             cache = next((c for c in (arg(args, kwargs, n) for n in CACHE_NAMES) if c is not None), None)
-            read = masks_from_4d(m, _past_length(cache))
-            if read is None:
+            past = _past_length(cache)
+            read = masks_from_4d(m, past)
+            # (one token after a cache, generate's decode step, is a generated token, never padding: nothing to say)
+            if read is None and not (m.shape[-2] == 1 and past > 0) and not holder.uncovered_warned:
+                holder.uncovered_warned = True
                 logger.warning(
                     "Titans memory: the 4-D attention mask (%s) does not cover the tokens' own positions, so padding "
                     "cannot be read from it and every token is stored; pass a 2-D attention_mask (or use a dynamic "
                     "cache in generate) to keep padding out of the memory.", tuple(m.shape),
                 )
-            else:
+            if read is not None:
                 holder.mask, holder.starts = read
             return
         if isinstance(m, Tensor) and m.dim() == 2 and not bool(m.all()):

@@ -131,6 +131,12 @@ class NeuralMemory(nn.Module):
         fan: bool = False,
     ) -> None:
         super().__init__()
+        sizes = {"dim": dim, "heads": heads, "dim_head": dim_head, "expansion": expansion, "chunk_size": chunk_size}
+        for name, value in sizes.items():  # (a float chunk_size failed only in forward; heads=0 divided by zero)
+            if value is None and name == "dim_head":
+                continue
+            if not hasattr(value, "__index__") or isinstance(value, bool) or value < 1:
+                raise ValueError(f"NeuralMemory: {name} must be a positive integer; got {value!r}.")
         if dim_head is None:
             if dim % heads:
                 raise ValueError(f"NeuralMemory: dim={dim} is not divisible by heads={heads}; pass dim_head.")
@@ -139,8 +145,6 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"NeuralMemory: depth={depth}; the memory MLP supports depth 1 to 4.")
         if activation not in K.ACTIVATIONS:
             raise ValueError(f"NeuralMemory: activation={activation!r}; use one of {K.ACTIVATIONS}.")
-        if chunk_size < 1 or heads < 1 or expansion < 1:
-            raise ValueError("NeuralMemory: chunk_size, heads and expansion must be positive integers.")
         self.dim, self.heads, self.dim_head, self.depth = dim, heads, dim_head, depth
         self.activation, self.chunk_size, self.max_lr = activation, chunk_size, max_lr
         self.use_momentum, self.use_forget = momentum, forget

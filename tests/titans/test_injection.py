@@ -392,6 +392,21 @@ def test_left_padded_batched_generate_equals_each_prompt_alone(family):
     assert torch.equal(batched, model.generate(ids, attention_mask=mask, use_cache=False, **kw))
 
 
+def test_static_cache_decoding_past_a_sliding_window_is_exact_and_says_nothing(caplog):
+    # past the window, a decode step's 4-D mask no longer reaches the token's own cache column; the token is a
+    # generated one (never padding), so the memory stores it as it must, but every step warned that padding could
+    # not be read (6 warnings for 8 tokens)
+    import logging
+
+    model = _activate(memgrad_hf.patch_model(tiny_model("mistral", sliding_window=6).eval(), head=False,
+                                             titans=TitansConfig(layers=[0, 1], **CFG)))
+    ids = _ids(1, 5, seed=3)
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert torch.equal(out, _greedy_loop(model, ids, 8))
+    assert "does not cover" not in caplog.text
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: generate hands a dict of masks by layer type
 def test_left_padded_generate_with_a_static_cache_equals_each_prompt_alone(family):
     # a static cache makes generate pass a 4-D mask: padding is read from it (was stored: rows differed)

@@ -90,6 +90,11 @@ def test_bad_arguments():
         NeuralMemory(16, grad_impl="fan")
     with pytest.raises(ValueError, match="divisible"):
         NeuralMemory(15, heads=2)
+    # each named (heads=0 and dim_head=0 divided by zero; a float chunk_size failed only in the first forward)
+    for kw in ({"heads": 0}, {"dim_head": 0}, {"chunk_size": 2.5}, {"expansion": -1}, {"heads": True}):
+        name, value = next(iter(kw.items()))
+        with pytest.raises(ValueError, match=f"{name} must be a positive integer; got {value}"):
+            NeuralMemory(16, **kw)
     with pytest.raises(ValueError, match="shape"):
         NeuralMemory(16)(torch.randn(2, 16))
     mem = NeuralMemory(16, chunk_size=4)
