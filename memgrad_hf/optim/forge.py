@@ -517,8 +517,11 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         if self._mode == "norm":
             acc, rows = self._accumulated(weight), self._linear_rows(weight)
             # the norm without forming dW where that takes fewer flops, whether or not the tiles are kept: keeping
-            # follows the memory headroom, which a resumed run sees differently, and must not change the norm
-            gram = acc is None and K.gram_pays(dy.shape[0], dy.shape[1], x.shape[1])
+            # follows the memory headroom, which a resumed run sees differently, and must not change the norm. Not
+            # under autocast (bf16 operands, fp32 weight): autograd's dW is rounded to bf16 before it meets the fp32
+            # weight, and the Grams' norm of the unrounded product moved the clip coefficient by ~1e-4
+            gram = (acc is None and dy.dtype == weight.dtype
+                    and K.gram_pays(dy.shape[0], dy.shape[1], x.shape[1]))
             if gram:
                 self._norm_sq += K.linear_grad_norm_sq(dy, x)
             if self._replays is not None and self._may_keep(weight):
