@@ -289,6 +289,18 @@ def _checkpointing(layer: nn.Module) -> bool:
     return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training and torch.is_grad_enabled()
 
 
+class _PatchedForward:
+    """A patched layer's ``forward``: a callable object, not a bound function, so that a pickled model
+    (``torch.save(model)``, multiprocessing) loads with its memory branch running (a bound method is pickled by its
+    name, which the layer's class does not have). A deep copy calls the copied layer."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _patched_layer_forward(self.layer, *args, **kwargs)
+
+
 def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     info: _LayerInfo = getattr(self, _LAYER_ATTR)
     x = args[0] if args else kwargs.get("hidden_states")
@@ -574,7 +586,7 @@ def inject_titans(model: nn.Module, titans: TitansConfig | dict[str, Any]) -> nn
         layer.add_module(BRANCH_ATTR, branch)
         setattr(layer, _LAYER_ATTR, _LayerInfo(i, _cache_layer_index(layer, i), had, previous, cache_pos, holder,
                                                state_pos))
-        layer.forward = types.MethodType(_patched_layer_forward, layer)
+        layer.forward = _PatchedForward(layer)
     model_config = getattr(model, "config", None)
     had_attr = model_config is not None and CONFIG_ATTR in getattr(model_config, "__dict__", {})
     previous_value = getattr(model_config, CONFIG_ATTR, None) if had_attr else None

@@ -84,24 +84,37 @@ def install_mask_hooks(model: nn.Module, holder_of: Callable[[nn.Module], StoreM
     """Hooks that hand each model call's padding mask (None when it has no zero: the unmasked memory path then
     runs) and its packed-document starts to the memory branches; one host sync per model call. ``holder_of(model)``
     finds the shared :class:`StoreMask` through the model the hook runs on, so a deep copy uses its own."""
-    try:
-        params = [p.name for p in inspect.signature(model.forward).parameters.values()]
-    except (TypeError, ValueError):
-        params = []
+    hooks = _MaskHooks(model, holder_of)
+    pre = model.register_forward_pre_hook(hooks.grab, with_kwargs=True)
+    post = model.register_forward_hook(hooks.release, with_kwargs=True, always_call=True)
+    return pre.id, post.id
 
-    def arg(args: tuple, kwargs: dict, name: str) -> Any:
+
+class _MaskHooks:
+    """The two hooks of :func:`install_mask_hooks`, methods of an object rather than closures so that a pickled model
+    (``torch.save(model)``) keeps them. ``holder_of`` must be a module-level function."""
+
+    def __init__(self, model: nn.Module, holder_of: Callable[[nn.Module], StoreMask]) -> None:
+        try:
+            self.params = [p.name for p in inspect.signature(model.forward).parameters.values()]
+        except (TypeError, ValueError):
+            self.params = []
+        self.holder_of = holder_of
+
+    def arg(self, args: tuple, kwargs: dict, name: str) -> Any:
+        params = self.params
         if kwargs.get(name) is not None or name not in params or len(args) <= params.index(name):
             return kwargs.get(name)
         return args[params.index(name)]
 
-    def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        holder = holder_of(module)
-        m = arg(args, kwargs, "attention_mask")
+    def grab(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        holder = self.holder_of(module)
+        m = self.arg(args, kwargs, "attention_mask")
         if isinstance(m, dict):
             m = m.get("full_attention", next((v for v in m.values() if isinstance(v, Tensor)), None))
         holder.mask = holder.starts = None
         if isinstance(m, Tensor) and m.dim() == 4:
-            cache = next((c for c in (arg(args, kwargs, n) for n in CACHE_NAMES) if c is not None), None)
+            cache = next((c for c in (self.arg(args, kwargs, n) for n in CACHE_NAMES) if c is not None), None)
             past = _past_length(cache)
             read = masks_from_4d(m, past)
             # (one token after a cache, generate's decode step, is a generated token, never padding: nothing to say)
@@ -128,15 +141,11 @@ def install_mask_hooks(model: nn.Module, holder_of: Callable[[nn.Module], StoreM
         # transformers separates packed documents only without an attention mask (and without a cache: the
         # layers check that), so the memory resets exactly where attention does
         if m is None:
-            holder.starts = document_starts(arg(args, kwargs, "position_ids"))
+            holder.starts = document_starts(self.arg(args, kwargs, "position_ids"))
 
-    def release(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        holder = holder_of(module)
+    def release(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        holder = self.holder_of(module)
         holder.mask = holder.starts = None
-
-    pre = model.register_forward_pre_hook(grab, with_kwargs=True)
-    post = model.register_forward_hook(release, with_kwargs=True, always_call=True)
-    return pre.id, post.id
 
 
 def remove_hooks(model: nn.Module, ids: tuple[int, ...]) -> None:

@@ -170,6 +170,35 @@ def test_deepcopy_gives_an_independent_patched_model():  # e.g. TRL's reference 
     assert is_titans_patched(model) and not is_titans_patched(twin)
 
 
+@pytest.mark.parametrize("head", [False, True])
+def test_a_pickled_model_keeps_its_memory(head):
+    # torch.save(model) / multiprocessing pickle the model: the mask hooks were closures (torch.save raised) and a
+    # bound layer forward is pickled by a name the layer's class lacks; the memory must run after loading
+    import io
+
+    model = _activate(_patched(layers=(0, 1), head=head))
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    twin = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, ref)
+        # the mask hooks run too: a chunk of left padding (positions given) is kept out of the memory
+        padded = torch.cat([torch.zeros(2, 4, dtype=ids.dtype), ids], 1)
+        mask = (torch.arange(padded.shape[1]) >= 4).long().expand(2, -1)
+        pos = (torch.arange(padded.shape[1]) - 4).clamp(min=0).expand(2, -1)
+        assert torch.allclose(twin(padded, attention_mask=mask, position_ids=pos).logits[:, 4:], ref, atol=1e-5)
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(twin.generate(ids, **kw), model.generate(ids, **kw))
+    memgrad_hf.unpatch_model(twin)
+    assert not is_titans_patched(twin)
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, tiny_model("llama").eval()(ids).logits)
+
+
 def test_cache_misuse_is_an_error():
     model = _activate(_patched())
     ids = _ids(n=6)
