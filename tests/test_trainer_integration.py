@@ -238,6 +238,32 @@ def test_memory_report_summary_leaves_out_the_first_step(tmp_path):
     assert 2 * tokens_per_step / (sum(cb._step_times[1:]) + 1.0) <= cb.summary["tokens_per_s"] <= rate_from_steps
 
 
+def test_memory_report_added_later_counts_tokens_and_leaves_evaluation_time_out(tmp_path):
+    # trainer.add_callback(): the callback never saw on_init_end, where token counting was switched on (tokens_per_s
+    # was missing, blamed on the batches); and the throughput divided by wall time, evaluations included (16x low)
+    stall = 2.0
+
+    class SlowEvaluation(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            time.sleep(stall)
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, logging_steps=1,
+                             eval_strategy="steps", eval_steps=1, save_strategy="no", report_to="none",
+                             use_cpu=True, seed=0)
+    trainer = Trainer(model=tiny_model("llama"), args=args, train_dataset=_data(), eval_dataset=_data(),
+                      callbacks=[SlowEvaluation()])
+    cb = MemoryReportCallback()
+    trainer.add_callback(cb)
+    trainer.train()
+    train_logs = [h for h in trainer.state.log_history if "loss" in h]
+    eval_logs = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(train_logs) == 4 and all(h["tokens_per_s"] > 0 for h in train_logs)
+    assert eval_logs and not any("tokens_per_s" in h or "step_time_s" in h for h in eval_logs)
+    tokens_per_step = trainer.state.num_input_tokens_seen / 4
+    # three steps after the first, 3 evaluations stalled in between: counted, the rate would be under this bound
+    assert cb.summary["tokens_per_s"] >= 3 * tokens_per_step / (sum(cb._step_times[1:]) + 1.0)
+
+
 def test_trainer_bf16_autocast_close_to_stock(tmp_path):
     # accelerate wraps the (patched) forward in autocast; losses agree within bf16 noise.
     model = tiny_model("llama")

@@ -33,9 +33,12 @@ class MemoryReportCallback(TrainerCallback):
     process's peak resident set (``VmHWM``, reset when training starts) on CPU; ``peak_added_mem_mb`` is that peak
     minus what was in use when training started (model, data). Token counting switches the Trainer's
     ``include_num_input_tokens_seen`` on if it was off (TRL's GRPO / RLOO count tokens themselves); where no token is
-    counted at all (batches without ``input_ids``), ``tokens_per_s`` is left out and a warning says so once. After
-    training, :attr:`summary` holds the run's totals: the peaks, the median step time and the throughput, both
-    without the first step (which pays one-off costs such as kernel compilation).
+    counted at all (batches without ``input_ids``), ``tokens_per_s`` is left out and a warning says so once. Tokens
+    are counted as the Trainer counts them (``"all"``: padding included, unless you set ``"non_padding"``), and
+    ``tokens_per_s`` is those tokens over the time spent in training steps (``step_time_s``'s time: evaluation,
+    logging and saving between steps left out); evaluation logs get the peaks only. After training,
+    :attr:`summary` holds the run's totals: the peaks, the median step time and the throughput, both without the
+    first step (which pays one-off costs such as kernel compilation).
 
     Example::
 
@@ -50,29 +53,32 @@ class MemoryReportCallback(TrainerCallback):
         self.summary: dict[str, float] = {}
         self._device: torch.device = torch.device("cpu")
         self._base = 0
-        self._t_train = 0.0
         self._t_step = 0.0
         self._step_times: list[float] = []
         self._since_log: list[float] = []
         self._tokens0 = 0
-        self._warm: tuple[float, int] | None = None  # (time, tokens) at the end of the first step
+        self._tokens_at_log = 0
+        self._tokens_after_first: int | None = None  # tokens seen at the end of the first step
         self._uncounted: _UncountedBatches | None = None  # set when we switched token counting on
         self._said_uncounted = False
 
-    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def _count_tokens(self, args: Any) -> None:
         if getattr(args, "include_num_input_tokens_seen", "no") in ("no", False):
             args.include_num_input_tokens_seen = "all"
             self._uncounted = _UncountedBatches()
 
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._count_tokens(args)
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._count_tokens(args)  # (again: a callback added by trainer.add_callback() never saw on_init_end)
         self._device = torch.device(args.device) if getattr(args, "device", None) is not None else self._device
         self._base = memory.current_bytes(self._device) or 0
         memory.reset_peak(self._device)
-        self._t_train = time.perf_counter()
-        self._tokens0 = state.num_input_tokens_seen
+        self._tokens0 = self._tokens_at_log = state.num_input_tokens_seen
         self._step_times.clear()
         self._since_log.clear()
-        self._warm = None
+        self._tokens_after_first = None
         self._said_uncounted = False
         if self._uncounted is not None:
             logging.getLogger("transformers.trainer").addFilter(self._uncounted)
@@ -88,20 +94,20 @@ class MemoryReportCallback(TrainerCallback):
         dt = time.perf_counter() - self._t_step
         self._step_times.append(dt)
         self._since_log.append(dt)
-        if self._warm is None:
-            self._warm = (time.perf_counter(), state.num_input_tokens_seen)
+        if self._tokens_after_first is None:
+            self._tokens_after_first = state.num_input_tokens_seen
 
     def _metrics(self, state: Any) -> dict[str, float]:
         peak = memory.peak_bytes(self._device) or 0
-        elapsed = max(time.perf_counter() - self._t_train, 1e-9)
         out = {
             "peak_mem_mb": round(peak / memory.MiB, 1),
             "peak_added_mem_mb": round(max(peak - self._base, 0) / memory.MiB, 1),
         }
-        if self._tokens_counted(state):
-            out["tokens_per_s"] = round((state.num_input_tokens_seen - self._tokens0) / elapsed, 1)
-        if self._since_log:
+        if self._since_log:  # steps ran since the last log (not an evaluation's log)
             out["step_time_s"] = round(sum(self._since_log) / len(self._since_log), 4)
+            if self._tokens_counted(state):
+                out["tokens_per_s"] = round((state.num_input_tokens_seen - self._tokens_at_log)
+                                            / max(sum(self._since_log), 1e-9), 1)
         return out
 
     def _tokens_counted(self, state: Any) -> bool:
@@ -117,7 +123,9 @@ class MemoryReportCallback(TrainerCallback):
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         m = self._metrics(state)
-        self._since_log.clear()
+        if self._since_log:
+            self._since_log.clear()
+            self._tokens_at_log = state.num_input_tokens_seen
         if logs is not None:
             logs.update(m)
         # The Trainer appended its copy of these logs before calling us; keep log_history complete too.
@@ -128,10 +136,13 @@ class MemoryReportCallback(TrainerCallback):
         if self._uncounted is not None:
             logging.getLogger("transformers.trainer").removeFilter(self._uncounted)
         m = self._metrics(state)
+        m.pop("tokens_per_s", None)
         times = sorted(self._step_times[1:] or self._step_times)  # the first step pays one-off costs
         m["step_time_s"] = round(times[len(times) // 2], 4) if times else float("nan")
         m["steps"] = len(self._step_times)
-        if "tokens_per_s" in m and self._warm is not None and len(self._step_times) > 1:  # after step 1, as the time
-            t0, n0 = self._warm
-            m["tokens_per_s"] = round((state.num_input_tokens_seen - n0) / max(time.perf_counter() - t0, 1e-9), 1)
+        if self._step_times and self._tokens_counted(state):
+            warm = len(self._step_times) > 1 and self._tokens_after_first is not None
+            n0 = self._tokens_after_first if warm else self._tokens0
+            spent = sum(self._step_times[1:] if warm else self._step_times)
+            m["tokens_per_s"] = round((state.num_input_tokens_seen - n0) / max(spent, 1e-9), 1)
         self.summary = m
