@@ -31,13 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "bench":
         bdir = _benchmarks_dir()
         found = bdir.glob("*.py") if bdir.is_dir() else []
-        names = sorted(p.stem for p in found if p.stem not in ("__init__", "harness"))
+        # the runnable ones: a benchmark defines main(); helper modules (harness, compat's per-feature checks) do not
+        names = sorted(p.stem for p in found if "\ndef main(" in p.read_text())
         if not rest or rest[0] in ("-h", "--help"):
             print(f"usage: memgrad-hf bench NAME [options]; NAME is one of: {', '.join(names) or '(none found)'}")
             return 0
-        script = bdir / f"{rest[0]}.py"
-        if not script.is_file():
-            print(f"memgrad-hf bench: no benchmark {rest[0]!r} in {bdir} (benchmarks run from a source checkout, "
+        if rest[0] not in names:
+            print(f"memgrad-hf bench: {rest[0]!r} is not a benchmark in {bdir} (benchmarks run from a source checkout, "
                   f"installed with `pip install -e .`); available: {', '.join(names) or 'none'}", file=sys.stderr)
             return 2
         # Imported as benchmarks.NAME (not run as a path) so that spawned measuring processes can unpickle its cases.

@@ -6,6 +6,17 @@ import torch
 from memgrad_hf import cli
 
 
+def test_bench_lists_only_runnable_benchmarks(capsys):
+    # compat's per-feature modules were listed, then failed with an AttributeError (no main) even for --help
+    assert cli.main(["bench"]) == 0
+    names = capsys.readouterr().out.split("NAME is one of: ")[1].strip().split(", ")
+    assert "compat" in names and "compat_forge" not in names and "harness" not in names
+    for name in names:
+        assert callable(__import__(f"benchmarks.{name}", fromlist=["main"]).main), name
+    assert cli.main(["bench", "compat_forge"]) == 2
+    assert "not a benchmark" in capsys.readouterr().err
+
+
 def test_bench_head_runs_through_the_cli(capsys):
     rc = cli.main(["bench", "head", "--tokens", "64", "--hidden", "16", "--vocab", "256",
                    "--peers", "hf", "torch_lce", "memgrad", "--repeats", "1", "--profile"])
