@@ -136,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     opts = DemoOptions(**{f: getattr(a, f) for f in asdict(d)})
     names = a.configs.split(",") if a.configs else ["stock", "patched"] + (["patched+forge"] if _forge_available()
                                                                            else [])
+    from memgrad_hf.offline import build_char_tokenizer
+
+    symbols = len(build_char_tokenizer())
+    if opts.vocab < symbols:  # (every row failed with an IndexError in the embedding)
+        p.error(f"--vocab {opts.vocab}: the demo's tokenizer has {symbols} symbols; pass --vocab {symbols} or more")
+    small = [f for f in ("steps", "batch", "seq", "hidden", "layers", "threads") if getattr(opts, f) < 1]
+    if small:
+        p.error(f"--{small[0]} must be at least 1; got {getattr(opts, small[0])}")
     unknown = [n for n in names if n not in ("stock", "patched", "patched+forge")]
     if unknown:  # (a typo ran an unpatched run under its name; "forge" ran FORGE on an unpatched model)
         p.error(f"--configs: unknown {', '.join(unknown)}; choose from stock, patched, patched+forge")

@@ -29,3 +29,13 @@ def test_unknown_demo_configurations_are_refused(capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--configs", "stok"])
     assert "unknown stok" in capsys.readouterr().err
+
+
+def test_demo_sizes_the_model_cannot_run_are_refused(capsys):
+    # (every configuration failed with an IndexError / a sampler's error, printed as a row each)
+    import pytest
+
+    for flags, said in ((["--vocab", "40"], "tokenizer has"), (["--steps", "0"], "--steps must be at least 1")):
+        with pytest.raises(SystemExit):
+            cli.main(["demo", *flags])
+        assert said in capsys.readouterr().err

@@ -187,7 +187,11 @@ def _head_out_features(head: nn.Module) -> int:
     w = getattr(head, "weight", None)
     if isinstance(w, torch.Tensor) and w.dim() == 2:
         return w.shape[0]
-    raise UnsupportedModelError(f"cannot read the vocabulary size of output embeddings {type(head).__name__}.")
+    raise UnsupportedModelError(
+        f"the output embeddings ({type(head).__name__}) have no 2-D weight nor out_features, so the chunked head "
+        "cannot compute their logits: restore an nn.Linear head, or call memgrad_hf.unpatch_model(model) (or patch "
+        "with head=False) to keep this one."
+    )
 
 
 @contextmanager
@@ -492,6 +496,12 @@ def validate(model: nn.Module) -> None:
     except ImportError as e:  # pragma: no cover - transformers is a dependency
         raise UnsupportedModelError("transformers is required to patch a model") from e
     if not isinstance(model, PreTrainedModel):
+        if isinstance(getattr(model, "_orig_mod", None), PreTrainedModel):  # torch.compile(model)'s wrapper
+            raise UnsupportedModelError(
+                f"{owner} is torch.compile's wrapper around a {type(model._orig_mod).__name__}: patch the model before "
+                "compiling it (patch_model(model); model = torch.compile(model)), or compile in place with "
+                "model.compile() after patching."
+            )
         raise UnsupportedModelError(f"{owner} is not a transformers PreTrainedModel; pass a *ForCausalLM (or "
                                     "*ForMaskedLM) model.")
     head = model.get_output_embeddings()

@@ -269,6 +269,12 @@ def test_unsupported_models_raise_named_errors():
         memgrad_hf.patch_model(backbone)
     with pytest.raises(UnsupportedModelError, match="nn.Module"):
         memgrad_hf.patch_model("not a model")
+    with pytest.raises(UnsupportedModelError, match=r"torch.compile's wrapper.*patch the model before compiling"):
+        memgrad_hf.patch_model(torch.compile(tiny_model("llama")))  # (torch.compile's wrapper: no compilation yet)
+    patched = memgrad_hf.patch_model(tiny_model("llama"))
+    patched.lm_head = type("Wrapped", (torch.nn.Module,), {})()  # a head without a weight, swapped in later
+    with pytest.raises(UnsupportedModelError, match=r"\(Wrapped\) have no 2-D weight.*unpatch_model"):
+        patched(torch.ones(1, 4, dtype=torch.long), labels=torch.ones(1, 4, dtype=torch.long))
     from transformers import LlamaForSequenceClassification
 
     reward_model = LlamaForSequenceClassification(tiny_model("llama").config)
