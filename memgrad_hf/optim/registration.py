@@ -72,6 +72,7 @@ _TRAINER_HPARAMS = {
                     "reads its betas from them too)"),
     **dict.fromkeys(("eps", "epsilon", "adam_epsilon"), "--adam_epsilon (TrainingArguments(adam_epsilon=...))"),
 }
+_ADAM_ONLY = ("betas", "beta1", "beta2", "adam_beta1", "adam_beta2", "eps", "epsilon", "adam_epsilon")  # not SGD's
 
 
 def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
@@ -107,7 +108,7 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             kwargs[key] = _parse_float(key, value)
         elif cls is ForgeSGD and key == "nesterov":
             kwargs["nesterov"] = _parse_bool(value)
-        elif key in _TRAINER_HPARAMS:
+        elif key in _TRAINER_HPARAMS and not (cls is ForgeSGD and key in _ADAM_ONLY):
             raise ValueError(
                 f"optim_args {key}: {name} takes this from the Trainer's own arguments, as adamw_torch does; set "
                 f"{_TRAINER_HPARAMS[key]} instead."
