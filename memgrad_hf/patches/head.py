@@ -550,7 +550,8 @@ def patch_head(model: nn.Module, *, chunk_size: int | None = None, accum_dtype: 
                grad_in_forward: bool | None = None) -> None:
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None; got {chunk_size!r}.")
-    if accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+    # (which of these fits is checked at each forward, against the head weight's dtype then: fp32 or that dtype)
+    if accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise ValueError(f"accum_dtype must be None, torch.float32 or the weight dtype; got {accum_dtype!r}.")
     if grad_in_forward is not None and not isinstance(grad_in_forward, bool):
         raise ValueError(f"grad_in_forward must be None, True or False; got {grad_in_forward!r}.")

@@ -143,7 +143,8 @@ def test_rows_whose_gradient_starts_late_move_as_with_fp32_state(monkeypatch):
 @pytest.mark.parametrize("lr", [1e-2, 1e-3])
 def test_8bit_state_stays_within_stated_bound_of_fp32_state(monkeypatch, lr):
     """Stated bound: m is kept to 2^-4 relative, sqrt(v) to 2^-3 (stochastic), so each AdamW step is within
-    2^-2·lr of the fp32-state step; after n steps every weight is within n·lr·2^-2 of the fp32-state run."""
+    2^-2·lr of the fp32-state step; here after n steps every weight is within n·lr·2^-2 of the fp32-state run (the
+    general, per-step bound: test_forge_precision.py)."""
     monkeypatch.setattr(forge_mod, "_MIN_8BIT_NUMEL", 0)  # the tiny model's matrices are below the default
     torch.manual_seed(0)
     model = tiny_model("llama")

@@ -424,6 +424,11 @@ def test_bad_arguments_raise_value_error():
         memgrad_hf.patch_model(model, accum_dtype=torch.int8)
     with pytest.raises(ValueError, match="grad_in_forward"):
         memgrad_hf.patch_model(model, grad_in_forward="no")
+    # the weight's own dtype is allowed, fp64 included (was refused by a message saying it was allowed)
+    fp64 = memgrad_hf.patch_model(tiny_model("llama").double(), accum_dtype=torch.float64)
+    ids = torch.randint(1, 50, (2, 6))
+    ref = tiny_model("llama").double()(ids, labels=ids).loss
+    assert torch.allclose(fp64(ids, labels=ids).loss.double(), ref.double(), rtol=1e-6)
 
 
 def test_grad_in_forward_false_recomputes_the_logits_in_backward():
