@@ -60,8 +60,10 @@ class UseTracking:
         """A fused weight's use was built in forward (``node``: its layer's autograd node, or the chunked head's
         consumer). If its previous use has not run its backward yet (a layer called twice, two forwards before one
         backward), the weight's gradient may have several parts: for this step they are summed by autograd and
-        applied once (``_shared``). Recomputations inside a backward (gradient checkpointing) are not uses."""
-        if torch._C._current_graph_task_id() != -1:
+        applied once (``_shared``). Recomputations inside a backward (gradient checkpointing) are not uses, except
+        under reentrant checkpointing those of a weight its segment's autograd-free forward did not use: a layer that
+        runs only with autograd on (a Titans memory's FAN) is first used in the recompute, maybe once per chunk."""
+        if torch._C._current_graph_task_id() != -1 and not (self._defer_all and weight not in self._segment_seen):
             return
         if weight not in self._shared and (self._pending(weight) or weight in self._segment_seen):
             self._mark_shared(weight, "is used more than once before one backward (a layer called twice, two "

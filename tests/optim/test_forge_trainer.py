@@ -636,6 +636,26 @@ def test_forge_trains_titans_injected_model_like_adamw_torch(tmp_path):
     assert ga == pytest.approx(gb, rel=1e-4)
 
 
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.5])
+def test_forge_distilling_titans_fans_under_reentrant_checkpointing_equals_adamw_torch(tmp_path, max_grad_norm):
+    # A FAN runs only with autograd on, so under reentrant checkpointing only in the backward's recompute, once per
+    # chunk: its layers' uses there went unseen and each chunk applied an update of its own (FAN weights 6e-2 apart
+    # after 3 steps, the memory's gamma 33% after the switch)
+    from memgrad_hf.callbacks import FANDistillationCallback
+    from memgrad_hf.titans import TitansConfig
+
+    models = []
+    for optim in ("forge_adamw", "adamw_torch"):
+        model = memgrad_hf.patch_model(tiny_model("llama"), head=False,
+                                       titans=TitansConfig(layers=[1], heads=2, chunk_size=4, fan=True))
+        args = _args(tmp_path / optim, optim, max_grad_norm=max_grad_norm, max_steps=3, activation_checkpointing=True,
+                     activation_checkpointing_kwargs={"use_reentrant": True})
+        Trainer(model=model, args=args, train_dataset=_data(),
+                callbacks=[FANDistillationCallback(distill_steps=2)]).train()  # distils, then switches at step 2
+        models.append(model)
+    _assert_weights_close(*models)
+
+
 def test_forge_with_a_traced_head_module_equals_adamw_torch(tmp_path):
     # a head module with its own forward (a learned per-word logit scale) under patch_model: its effective weight
     # goes through autograd, so its weight and scale are updated from their complete gradients by the hooks
