@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from typing import Any
 
 from torch import nn
@@ -56,10 +58,12 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
 
     def __init__(self, distill_steps: int | None = None, distill_epochs: float | None = None, *,
                  freeze_fan_after: bool = True) -> None:
-        if distill_steps is not None and distill_steps < 0:
-            raise ValueError(f"FANDistillationCallback: distill_steps={distill_steps} must be >= 0.")
-        if distill_epochs is not None and distill_epochs < 0:
-            raise ValueError(f"FANDistillationCallback: distill_epochs={distill_epochs} must be >= 0.")
+        if distill_steps is not None and (not isinstance(distill_steps, int) or isinstance(distill_steps, bool)
+                                          or distill_steps < 0):
+            raise ValueError(f"FANDistillationCallback: distill_steps={distill_steps!r} must be an int >= 0.")
+        if distill_epochs is not None and (not isinstance(distill_epochs, (int, float))
+                                           or not math.isfinite(distill_epochs) or distill_epochs < 0):
+            raise ValueError(f"FANDistillationCallback: distill_epochs={distill_epochs!r} must be a number >= 0.")
         self.distill_steps, self.distill_epochs, self.freeze_fan_after = distill_steps, distill_epochs, freeze_fan_after
         self.memories: list[NeuralMemory] = []
         self._model: nn.Module | None = None
@@ -71,6 +75,7 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
         # counted in a run this one resumes (TrainingArguments(restore_callback_states_from_checkpoint=True))
         self._exact_before = self._fan_before = 0
         self._restored = False
+        self._recent_cosines: list[list[list[float]]] | None = None  # each memory's FAN window, when restored
 
     def state(self) -> dict:
         """Saved in each checkpoint (``ExportableState``): the switch and the counters, so that a run resumed with
@@ -81,6 +86,7 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
                                "cosine_at_switch": self.cosine_at_switch,
                                "exact_calls_at_switch": self.exact_calls_at_switch,
                                "_exact_before": self.exact_grad_calls(), "_fan_before": self.fan_calls(),
+                               "_recent_cosines": [m.fan.recent_cosines() for m in self.memories],
                                "_restored": True}}
 
     # -- helpers --------------------------------------------------------------------------------------------------
@@ -117,6 +123,13 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
                 "fan_calls": self.fan_calls(), "fan_mode": int(self.switched)}
 
     # -- Trainer events -------------------------------------------------------------------------------------------
+    def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                    **kwargs: Any) -> None:
+        # FANs saved frozen (after a switch) train again while distilling: trainable before the Trainer builds its
+        # optimizer, or it would leave them out (distillation then changed nothing; a resume failed to match groups)
+        for m in fan_memories(model) if model is not None else []:
+            m.fan.requires_grad_(True)
+
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        **kwargs: Any) -> None:
         if model is None:
@@ -129,6 +142,7 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
         if self.freeze_fan_after and getattr(args, "world_size", 1) > 1 and args.ddp_find_unused_parameters is False:
             logger.warning("FANDistillationCallback: the FANs are frozen after the switch and get no gradient; DDP "
                            "with ddp_find_unused_parameters=False will stall. Set it to True.")
+        self._check_optimizer(kwargs.get("optimizer"))
         if self._restored:  # counts of the run resumed from, less what these memories have counted themselves
             self._exact_before = max(0, self._exact_before - sum(m.exact_grad_calls for m in self.memories))
             self._fan_before = max(0, self._fan_before - sum(m.fan.calls for m in self.memories))
@@ -141,11 +155,30 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
             m.fan.distilling = True
             m.fan.accumulation_steps = args.gradient_accumulation_steps
             m.fan.reset_stats()
+        if self._recent_cosines is not None and len(self._recent_cosines) == len(self.memories):  # (resumed)
+            for m, window in zip(self.memories, self._recent_cosines, strict=True):
+                m.fan.restore_cosines(window)
+        self._recent_cosines = None
         sync_titans_config(model)
         if restored_switch:  # resumed after the switch: as it was, with the values recorded then
             self._switch_memories()
         elif self._due(state):  # resumed past the switch point (steps or epochs), the callback's state not restored
             self._switch(state)
+
+    def _check_optimizer(self, optimizer: Any) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)  # (accelerate's wrapper)
+        if inner is None or not hasattr(inner, "param_groups"):
+            return
+        held = {id(p) for g in inner.param_groups for p in g["params"]}
+        if any(id(p) not in held for m in self.memories for p in m.fan.parameters()):
+            raise ValueError(
+                "FANDistillationCallback: the optimizer does not hold the FANs' parameters (they were frozen when it "
+                "was built: a model saved after a switch loads them frozen, or a PEFT model leaves them out), so "
+                "distillation would change nothing. Pass the callback to the Trainer's constructor (it makes the "
+                "FANs trainable before the optimizer is built), or call m.fan.requires_grad_(True) for each memory "
+                "in memgrad_hf.callbacks.titans.fan_memories(model) first; with PEFT add "
+                "modules_to_save=['titans_memory']."
+            )
 
     def _due(self, state: Any) -> bool:
         return (self.distill_steps is not None and state.global_step >= self.distill_steps) or (
@@ -171,6 +204,25 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
         for m in self.memories:
             m.fan.distilling = False  # no FAN training in later evaluation or generation
             m.fan.accumulation_steps = 1
+        if getattr(args, "load_best_model_at_end", False) and state.best_model_checkpoint:
+            self._mode_of_checkpoint(state.best_model_checkpoint)
         self.summary = {**self._metrics(), "switched": self.switched, "switch_step": self.switch_step,
                         "cosine_at_switch": self.cosine_at_switch, "exact_calls_at_switch": self.exact_calls_at_switch,
                         "cosine_per_memory": [m.fan.cosine for m in self.memories]}
+
+    def _mode_of_checkpoint(self, checkpoint: str) -> None:
+        """The Trainer reloaded the best checkpoint's weights only: give the memories the mode they had when it was
+        saved (the exact gradient and trainable FANs before the switch), so the final model computes what that
+        checkpoint computed when it was evaluated."""
+        path = os.path.join(checkpoint, "trainer_state.json")
+        if not os.path.isfile(path):
+            return
+        with open(path) as f:
+            step = json.load(f).get("global_step")
+        if not isinstance(step, int) or not self.switched or step >= (self.switch_step or 0):
+            return
+        for m in self.memories:
+            m.grad_impl = "manual"
+            m.fan.requires_grad_(True)
+        if self._model is not None:
+            sync_titans_config(self._model)

@@ -213,6 +213,18 @@ class FAN(nn.Module):
             return [float("nan")] * len(self.widths)
         return torch.stack(list(self._recent_layers)).mean(0).tolist()
 
+    def recent_cosines(self) -> list[list[float]]:
+        """The window :attr:`cosine` averages: ``[[cosine], [per layer...]]`` (a checkpoint's copy)."""
+        return [[float(c) for c in self._recent], [float(c) for t in self._recent_layers for c in t.tolist()]]
+
+    def restore_cosines(self, window: list[list[float]]) -> None:
+        """Put back a window saved by :meth:`recent_cosines` (a resumed run reports as the uninterrupted one)."""
+        self.reset_stats()
+        overall, layers = window
+        width, dev = len(self.widths), next(self.parameters()).device  # (stacked with the new ones: same device)
+        self._recent.extend(torch.tensor(c, device=dev) for c in overall)
+        self._recent_layers.extend(torch.tensor(layers[i:i + width], device=dev) for i in range(0, len(layers), width))
+
     def reset_stats(self) -> None:
         """Forget the recent cosines (the counters are kept)."""
         self._recent.clear()

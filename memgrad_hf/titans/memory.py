@@ -19,6 +19,7 @@ memory and momentum as they were. Nothing a masked token holds reaches any other
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -137,6 +138,12 @@ class NeuralMemory(nn.Module):
                 continue
             if not hasattr(value, "__index__") or isinstance(value, bool) or value < 1:
                 raise ValueError(f"NeuralMemory: {name} must be a positive integer; got {value!r}.")
+        if not isinstance(max_lr, (int, float)) or not math.isfinite(max_lr) or max_lr <= 0:
+            raise ValueError(f"NeuralMemory: max_lr must be a finite number > 0 (the inner step's largest learning "
+                             f"rate); got {max_lr!r}.")
+        for name, flag in (("momentum", momentum), ("forget", forget), ("fan", fan)):
+            if not isinstance(flag, bool):  # ("no" is truthy)
+                raise ValueError(f"NeuralMemory: {name} must be True or False; got {flag!r}.")
         if dim_head is None:
             if dim % heads:
                 raise ValueError(f"NeuralMemory: dim={dim} is not divisible by heads={heads}; pass dim_head.")

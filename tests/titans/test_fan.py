@@ -147,6 +147,9 @@ def test_fan_and_callback_errors():
         FAN(16, [64, 16]).predict([torch.randn(16, 16)], torch.zeros(16), *_chunk()[:2], _chunk()[3])
     with pytest.raises(ValueError, match="fan=True"):
         FANDistillationCallback(distill_steps=1).on_train_begin(None, None, None, model=NeuralMemory(16))
+    for kw in ({"distill_steps": "3"}, {"distill_epochs": float("nan")}):  # ('<' not supported; never switched)
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            FANDistillationCallback(**kw)
 
 
 # -- Trainer ----------------------------------------------------------------------------------------------------------
@@ -243,10 +246,11 @@ def test_callback_on_a_patched_llama_switches_after_an_epoch(tmp_path, epochs, s
         assert fans and not any(q.requires_grad for f in fans for q in f.parameters())
 
 
-@pytest.mark.parametrize("restore", [False, True])
-def test_a_run_resumed_after_the_switch_ends_as_the_uninterrupted_one(tmp_path, restore):
+@pytest.mark.parametrize("restore,at", [(False, 6), (True, 6), (True, 2)])
+def test_a_run_resumed_after_the_switch_ends_as_the_uninterrupted_one(tmp_path, restore, at):
     # distill_epochs: a run resumed past the switch distilled again (the callback checked distill_steps only): 4e-3
-    # off; with restore_callback_states_from_checkpoint the switch and its counters are the uninterrupted run's
+    # off; with restore_callback_states_from_checkpoint the switch and its counters are the uninterrupted run's, and
+    # so is the FAN cosine from a checkpoint before the switch (its window of recent cosines was not saved)
     import memgrad_hf
     from memgrad_hf.callbacks import FANDistillationCallback
     from memgrad_hf.titans import TitansConfig
@@ -264,13 +268,54 @@ def test_a_run_resumed_after_the_switch_ends_as_the_uninterrupted_one(tmp_path, 
         return model, cb
 
     full, cb_full = run(tmp_path / "full")
-    resumed, cb_res = run(tmp_path / "res", resume=str(tmp_path / "full" / "checkpoint-6"))
+    resumed, cb_res = run(tmp_path / "res", resume=str(tmp_path / "full" / f"checkpoint-{at}"))
     for (n, p), q in zip(full.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q), n
     assert cb_full.switch_step == 4 and cb_res.switched
     if restore:
-        for k in ("switch_step", "cosine_at_switch", "exact_calls_at_switch", "fan_exact_grad_calls", "fan_calls"):
-            assert cb_res.summary[k] == cb_full.summary[k], k
+        for k in ("switch_step", "cosine_at_switch", "exact_calls_at_switch", "fan_exact_grad_calls", "fan_calls",
+                  "cosine_per_memory"):
+            assert cb_res.summary[k] == pytest.approx(cb_full.summary[k], rel=1e-6), k
+
+
+def test_load_best_model_at_end_gives_the_memories_the_best_checkpoints_mode(tmp_path):
+    # the Trainer reloads the best checkpoint's weights only: one saved before the switch computed with the exact
+    # gradient, but the memories stayed in "fan" mode (evaluate() 4.1533 against the best metric 4.1652)
+    from memgrad_hf.callbacks import FANDistillationCallback
+
+    torch.manual_seed(0)
+    model = TinyMemoryLM()
+    cb = FANDistillationCallback(distill_steps=4)
+    trainer = _trainer(model, cb, 6, tmp_path)
+    trainer.eval_dataset = trainer.train_dataset[:4]
+    for k, v in dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                     load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True).items():
+        setattr(trainer.args, k, v)  # the highest loss: step 2's checkpoint, before the switch
+    trainer.train()
+    assert cb.switch_step == 4 and trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+    assert model.mem.grad_impl == "manual" and all(p.requires_grad for p in model.mem.fan.parameters())
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(trainer.state.best_metric, rel=1e-6)
+
+
+def test_fans_saved_frozen_are_distilled_again_by_a_new_run(tmp_path):
+    # a model saved after the switch loads its FANs frozen; the Trainer built its optimizer before the callback made
+    # them trainable, so a second distillation changed nothing (and a resume could not match the optimizer's groups)
+    from memgrad_hf.callbacks import FANDistillationCallback
+
+    torch.manual_seed(0)
+    model = TinyMemoryLM()
+    model.mem.fan.requires_grad_(False)  # as reloaded after a switch
+    before = [p.detach().clone() for p in model.mem.fan.parameters()]
+    _trainer(model, FANDistillationCallback(distill_steps=2), 3, tmp_path).train()
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.mem.fan.parameters(), strict=True))
+    # added after the optimizer was built, the callback cannot make it hold them: it says so
+    trainer = _trainer(model, FANDistillationCallback(distill_steps=2), 3, tmp_path / "b")
+    trainer.callback_handler.callbacks.pop()
+    model.mem.fan.requires_grad_(False)
+    trainer.create_optimizer()
+    trainer.add_callback(FANDistillationCallback(distill_steps=2))
+    with pytest.raises(ValueError, match="optimizer does not hold the FANs"):
+        trainer.train()
 
 
 def test_distillation_under_gradient_accumulation_is_the_mean_over_micro_batches(tmp_path):

@@ -95,6 +95,10 @@ def test_bad_arguments():
         name, value = next(iter(kw.items()))
         with pytest.raises(ValueError, match=f"{name} must be a positive integer; got {value}"):
             NeuralMemory(16, **kw)
+    # a nan / negative max_lr made the retrieval non-finite / the inner step climb; "no" is truthy
+    for kw in ({"max_lr": float("nan")}, {"max_lr": -0.1}, {"max_lr": 0}, {"momentum": "no"}, {"fan": "yes"}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            NeuralMemory(16, **kw)
     with pytest.raises(ValueError, match="shape"):
         NeuralMemory(16)(torch.randn(2, 16))
     mem = NeuralMemory(16, chunk_size=4)
