@@ -473,12 +473,24 @@ def _patched_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             f"{cap.owner}.forward never called its output embeddings module (get_output_embeddings()); "
             "memgrad_hf cannot find the LM head of this model."
         )
+    if cap.loss_calls == 0 and _output_loss(out) is None:  # the model chose to compute no loss for this call
+        raise ValueError(
+            f"{cap.owner}.forward got labels but returned no loss (it computes its loss only with other inputs too, "
+            "e.g. BertForPreTraining's next_sentence_label): pass those as well, or call it with skip_logits=False "
+            "for its logits without a loss, as the unpatched model returns them."
+        )
     if cap.loss_calls == 0:
         raise UnsupportedModelError(
             f"{cap.owner}.forward got labels but computed no loss through self.loss_function; memgrad_hf's chunked "
             "head needs that standard transformers call. Use patch_model(model, head=False)."
         )
     return _strip_probes(out if cap.smoothed_loss is None else _with_loss(out, cap.smoothed_loss))
+
+
+def _output_loss(out: Any) -> Any:
+    if isinstance(out, tuple):
+        return out[0] if out and isinstance(out[0], torch.Tensor) and out[0].dim() == 0 else None
+    return out.get("loss") if hasattr(out, "get") else getattr(out, "loss", None)
 
 
 def _with_loss(out: Any, loss: torch.Tensor) -> Any:

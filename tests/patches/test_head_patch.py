@@ -502,3 +502,25 @@ def test_a_gradient_penalty_on_a_patched_model_is_refused_and_skip_logits_false_
     ours = torch.autograd.grad(penalty(base, skip_logits=False), base.lm_head.weight)[0]
     theirs = torch.autograd.grad(penalty(ref), ref.lm_head.weight)[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_a_model_that_skips_its_loss_for_these_labels_is_told_apart_from_an_unsupported_one():
+    # BertForPreTraining computes a loss only with next_sentence_label too; given labels alone it returns none, and
+    # the patched model blamed its loss mechanism and told to unpatch (with both labels it is exact)
+    from transformers import BertConfig, BertForPreTraining
+
+    torch.manual_seed(0)
+    stock = BertForPreTraining(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                          intermediate_size=64, hidden_dropout_prob=0.0,
+                                          attention_probs_dropout_prob=0.0))
+    patched = memgrad_hf.patch_model(copy.deepcopy(stock))
+    ids = torch.randint(7, 64, (2, 8))
+    labels = torch.full((2, 8), -100)
+    labels[:, 2] = ids[:, 2]
+    both = dict(input_ids=ids, labels=labels, next_sentence_label=torch.tensor([0, 1]))
+    assert torch.allclose(patched(**both).loss, stock(**both).loss, rtol=1e-6)
+    with pytest.raises(ValueError, match="returned no loss.*skip_logits=False"):
+        patched(input_ids=ids, labels=labels)
+    out = patched(input_ids=ids, labels=labels, skip_logits=False)
+    ref = stock(input_ids=ids, labels=labels)
+    assert out.loss is None and torch.equal(out.prediction_logits, ref.prediction_logits)
