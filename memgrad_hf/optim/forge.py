@@ -741,6 +741,9 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             # layer's own backward this step, the hook's gradient is the whole gradient: one update, exact.)
             self._mark_shared(p, "is also used outside its layer (e.g. a penalty on the weight in the loss); this "
                                  "step applied that part of its gradient as a separate update")
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients (as torch's AdamW): use "
+                               "nn.Embedding(sparse=False), or torch.optim.SparseAdam for that embedding.")
         if self._mode == "norm":
             acc = self._accumulated(p)
             self._measure(p.grad if acc is None else p.grad + acc)
@@ -748,9 +751,6 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             p.grad = None
             return
         g, p.grad = p.grad, None
-        if g.is_sparse:
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients (as torch's AdamW): use "
-                               "nn.Embedding(sparse=False), or torch.optim.SparseAdam for that embedding.")
         if self._mode == "skip":
             return
         self._apply(p, g)
@@ -917,6 +917,9 @@ class ForgeSGD(ForgeOptimizer):
                  **kwargs: Any) -> None:
         check_hp(lr, (0.0, 0.0), 0.0, weight_decay)
         nesterov = check_flag(type(self).__name__, "nesterov", nesterov)
+        if isinstance(params, nn.Module):  # ForgeSGD(model, lr=...), as the other FORGE optimizers take it
+            model = params if model is None else model
+            params = params.parameters()
         if not 0.0 <= momentum < 1.0 or not 0.0 <= dampening <= 1.0:
             raise ValueError(f"momentum must be in [0, 1) and dampening in [0, 1]; got {momentum}, {dampening}.")
         if nesterov and (momentum == 0 or dampening != 0):

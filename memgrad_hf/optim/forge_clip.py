@@ -137,12 +137,11 @@ class ExactClipping:
         self._norm_task = "backward" if record is None else record
         for p in self._stash:
             p.grad = None
-        # Under the Trainer, trainable parameters outside the groups (unfrozen after the optimizer was built, an
-        # adapter switched on since): never updated, but their gradients count in its clip_grad_norm_(model.
-        # parameters()). A norm-only backward's gradient is set aside from theirs, which the update backward builds.
-        # (In your own loop the norm is the optimizer's parameters', as clip_grad_norm_ over them)
-        self._outside = {p: p.grad for p in self.model.parameters()
-                         if p.requires_grad and p not in self._group_index} if self._trainer_managed else {}
+        # Trainable parameters outside the groups (unfrozen after the optimizer was built, an adapter switched on
+        # since, or left to another optimizer in your own loop): a norm-only backward's gradient is set aside from
+        # theirs, which the update backward builds. Under the Trainer they also count in the norm, as in its
+        # clip_grad_norm_(model.parameters()); in your own loop the norm is the optimizer's parameters' only.
+        self._outside = {p: p.grad for p in self.model.parameters() if p.requires_grad and p not in self._group_index}
         if record is None:
             for p in self._outside:
                 p.grad = None
@@ -154,7 +153,7 @@ class ExactClipping:
         replayed = self._norm_task != "backward"
         for p, before in self._outside.items():
             g = p.grad if replayed or before is None or p.grad is None else p.grad + before
-            if g is not None:
+            if g is not None and self._trainer_managed:
                 self._measure(g)
             if not replayed:
                 p.grad = before

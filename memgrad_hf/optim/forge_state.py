@@ -63,6 +63,9 @@ class StateCheckpointing:
                 )
         super().load_state_dict(state_dict)
         self._plans = {}  # they point at the state tensors just replaced
+        for st in self.state.values():  # torch SGD keeps no step: its buffer is past the first step's initialisation
+            if "momentum_buffer" in st and "step" not in st:
+                st["step"] = torch.tensor(1.0)
         # torch.optim casts floating state to each parameter's dtype on load (fp32 state of a bf16 weight would lose
         # bits): every state tensor is taken again from the saved one, in the configured state dtype
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]

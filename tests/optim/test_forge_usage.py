@@ -800,3 +800,51 @@ def test_a_training_step_override_calling_loss_backward_is_told_to_use_accelerat
     with pytest.raises(RuntimeError, match=r"call self\.accelerator\.backward\(loss\)"):
         trainer.train()
     _assert_weights_close(model, before, rtol=0.0)  # nothing was updated
+
+
+def test_parameters_left_to_another_optimizer_get_one_gradient_under_a_norm_only_backward():
+    # own loop, FORGE on the decoder layers only, clip_pass="backward": the norm-only backward's gradients of the
+    # embeddings / head / final norm (another optimizer's) stayed in .grad and the update backward added its own (2x)
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    opt = ForgeAdamW(model.model.layers.parameters(), model=model, lr=1e-3, max_grad_norm=100.0, clip_pass="backward")
+    ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    ref(input_ids=ids, labels=ids).loss.backward()
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        got, want = model.get_parameter(name).grad, ref.get_parameter(name).grad
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), name
+    opt.detach()
+
+
+def test_forge_sgd_takes_the_model_as_params_and_continues_a_torch_sgd_state():
+    # ForgeSGD(model, lr=...) failed ('Net' object is not iterable); a torch SGD state (momentum_buffer, no step)
+    # loaded, then failed at the next backward with KeyError: 'step'
+    model = tiny_model("llama")
+    assert len(ForgeSGD(model, lr=1e-2).param_groups[0]["params"]) == len(list(model.parameters()))
+    ref = copy.deepcopy(model)
+    ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch_opt = torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9)
+    for _ in range(2):
+        ref(input_ids=ids, labels=ids).loss.backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    model.load_state_dict(ref.state_dict())
+    opt = ForgeSGD(model.parameters(), model=model, lr=1e-2, momentum=0.9)
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    for _ in range(2):
+        for m, o in ((model, opt), (ref, torch_opt)):
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+    _assert_weights_close(model, ref)
+    opt.detach()
+
+
+def test_a_sparse_embedding_gradient_is_refused_by_name_under_clipping_too():
+    # with max_grad_norm > 0 the norm pass measured it first: torch's "Could not run 'aten::linalg_vector_norm'"
+    net = nn.Sequential(nn.Embedding(20, 8, sparse=True), nn.Linear(8, 4))
+    opt = ForgeAdamW(net.parameters(), model=net, lr=1e-3, max_grad_norm=0.5)
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        opt.backward(net(torch.tensor([[1, 2, 3]])).sum())
+    opt.detach()
