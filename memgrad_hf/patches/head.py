@@ -55,6 +55,7 @@ class HeadPatch:
     active: bool = True
     lost_warned: bool = False  # (see head_patch)
     loss_warned: bool = False  # (see _loss_not_served)
+    no_labels_warned: bool = False  # skip_logits=True given without labels (said once)
 
 
 # ------------------------------------------------------------------------------------------ head resolution
@@ -455,6 +456,11 @@ def _patched_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     chunked = labels is not None and (
         bool(skip_logits) if skip_logits is not None else (self.training and torch.is_grad_enabled())
     )
+    if skip_logits and labels is None and not patch.no_labels_warned:  # (Liger raises here)
+        patch.no_labels_warned = True
+        logger.warning("memgrad_hf: %s(..., skip_logits=True) without labels: the chunked head computes a loss from "
+                       "labels and has none, so this forward builds the full logits, as the unpatched model does. "
+                       "Pass labels to skip them.", type(self).__name__)
     if chunked:
         problem = _loss_not_served(self)
         if problem:  # set after patch_model: the model's own loss, on full logits

@@ -524,3 +524,16 @@ def test_a_model_that_skips_its_loss_for_these_labels_is_told_apart_from_an_unsu
     out = patched(input_ids=ids, labels=labels, skip_logits=False)
     ref = stock(input_ids=ids, labels=labels)
     assert out.loss is None and torch.equal(out.prediction_logits, ref.prediction_logits)
+
+
+def test_skip_logits_without_labels_says_the_logits_are_built(caplog):
+    # nothing to chunk without labels: the full logits come back as stock's, and a warning says so once (was silent)
+    import logging
+
+    model = memgrad_hf.patch_model(tiny_model("llama"))
+    ids = torch.randint(1, 50, (1, 5))
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        out = model(input_ids=ids, skip_logits=True)
+        model(input_ids=ids, skip_logits=True)
+    assert out.logits.shape == (1, 5, model.config.vocab_size)
+    assert caplog.text.count("skip_logits=True) without labels") == 1
