@@ -75,7 +75,18 @@ def add_fused_lm_head(
             extra = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
             kwargs.update({k: v for k, v in extra.items() if v is not None})
             return run_original(self, *args, **kwargs)
+        if labels is None and shift_labels is None:
+            raise ValueError("fused_lm_head=True scores the tokens given as labels: pass labels (unshifted, [batch, "
+                             "seq], -100 where not scored) or shift_labels.")
+        if labels is not None and labels.dim() != 2:
+            raise ValueError(f"fused_lm_head=True: labels must be [batch, seq] like input_ids; got shape "
+                             f"{tuple(labels.shape)}.")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if (labels is not None and isinstance(ids, torch.Tensor) and labels.shape[-1] == ids.shape[-1]
+                and kwargs.get("logits_to_keep") is not None):
+            kwargs.pop("logits_to_keep")  # as TRL's head: every position scored, the labels' -100 choose which
         kwargs["use_cache"] = False
+        kwargs["return_dict"] = True  # (the output is a FusedCausalLMOutput either way)
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
         # The model's own forward, with its head answering a probe: the hidden states the head really receives (after
@@ -91,6 +102,12 @@ def add_fused_lm_head(
             )
         hidden = probe._chain.rows(cap.hidden)  # the positions of the returned logits (prophetnet: its first stream)
         if shift_labels is None:
+            if labels.shape[-1] != hidden.shape[1]:
+                raise ValueError(
+                    f"fused_lm_head=True: labels cover {labels.shape[-1]} positions and the model returned "
+                    f"{hidden.shape[1]}: pass the unshifted labels, as long as input_ids (the model shifts them; "
+                    "-100 where not scored), or the already shifted ones as shift_labels=."
+                )
             hidden, targets = hidden[:, :-1], labels[:, 1:]
         else:
             targets = shift_labels

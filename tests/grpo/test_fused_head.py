@@ -66,6 +66,27 @@ def test_shift_labels_and_plain_forward_passthrough():
     assert plain.logits is not None and plain.logits.shape[-1] == VOCAB
 
 
+def test_logits_to_keep_and_return_dict_are_taken_as_trls_head_takes_them_and_bad_labels_are_named():
+    # logits_to_keep with full-length labels failed with a shape error that named neither; return_dict=False was
+    # called an unsupported model; missing / 1-D / pre-shifted labels gave TypeError / IndexError / a wrong hint
+    model = tiny_model("llama").train()
+    ref = copy.deepcopy(model)
+    add_fused_lm_head(model)
+    trl_add_fused_lm_head(ref)
+    ids = torch.randint(1, VOCAB, (2, 10))
+    labels = ids.clone()
+    labels[:, :6] = -100  # only the last 4 tokens scored, as a loop with logits_to_keep=5 would ask
+    a = model(input_ids=ids, labels=labels, logits_to_keep=5, fused_lm_head=True)
+    b = ref(input_ids=ids, labels=labels, logits_to_keep=5, fused_lm_head=True)
+    assert a.log_probs.shape == b.log_probs.shape == (2, 9)
+    assert torch.allclose(a.log_probs, b.log_probs, rtol=1e-5, atol=1e-6)
+    c = model(input_ids=ids, labels=labels, fused_lm_head=True, return_dict=False)
+    assert torch.allclose(c.log_probs, a.log_probs, rtol=1e-6, atol=1e-7)
+    for bad, said in ((None, "pass labels"), (ids[0], r"must be \[batch, seq\]"), (ids[:, 1:], "unshifted labels")):
+        with pytest.raises(ValueError, match=said):
+            model(input_ids=ids, labels=bad, fused_lm_head=True)
+
+
 def test_unsupported_outputs_are_refused():
     with pytest.raises(ValueError, match="logits"):
         add_fused_lm_head(tiny_model("llama"), outputs=("log_probs", "logits"))
