@@ -51,11 +51,17 @@ def test_matches_trl_fused_head(family, outputs):
         assert (ga[n] - gb[n]).abs().max().item() <= 1e-5 * gb[n].abs().max().item() + 1e-6 * scale, n
 
 
-def test_shift_labels_and_plain_forward_passthrough():
+def _ours_and_trls():
+    """A tiny Llama with memgrad's fused head and a copy with TRL's."""
     model = tiny_model("llama").train()
     ref = copy.deepcopy(model)
     add_fused_lm_head(model)
     trl_add_fused_lm_head(ref)
+    return model, ref
+
+
+def test_shift_labels_and_plain_forward_passthrough():
+    model, ref = _ours_and_trls()
     ids = torch.randint(1, VOCAB, (2, 8))
     shift = torch.randint(0, VOCAB, (2, 8))
     shift[:, -1] = -100
@@ -69,10 +75,7 @@ def test_shift_labels_and_plain_forward_passthrough():
 def test_logits_to_keep_and_return_dict_are_taken_as_trls_head_takes_them_and_bad_labels_are_named():
     # logits_to_keep with full-length labels failed with a shape error that named neither; return_dict=False was
     # called an unsupported model; missing / 1-D / pre-shifted labels gave TypeError / IndexError / a wrong hint
-    model = tiny_model("llama").train()
-    ref = copy.deepcopy(model)
-    add_fused_lm_head(model)
-    trl_add_fused_lm_head(ref)
+    model, ref = _ours_and_trls()
     ids = torch.randint(1, VOCAB, (2, 10))
     labels = ids.clone()
     labels[:, :6] = -100  # only the last 4 tokens scored, as a loop with logits_to_keep=5 would ask
