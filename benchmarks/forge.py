@@ -224,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# Trainer, Llama-style {n_params / 1e6:.1f}M params, {a.steps} steps of {a.batch}x{a.seq} tokens, "
           f"{'bf16' if a.bf16 else 'fp32'} weights, {a.device}")
     print(f"# {machine(a.device)}; {versions()}\n")
-    mem = {c.name: peak_added_mib(c, a.device, a.threads) for c in cases}
+    mem = {}
+    for c in cases:  # printed as measured: a run stopped by its time limit still reports these
+        mem[c.name] = m = peak_added_mib(c, a.device, a.threads)
+        print(f"# peak added, {c.name}: " + (f"{m['added_mib']:.0f} MiB" if m["ok"] else str(m.get("error"))),
+              flush=True)
     # one model alive at a time (steps are timed inside each run, set-up is not)
     time_interleaved(cases, a.device, repeats=a.repeats, warmup=0, lazy=True)
     # the reference: adamw_torch, else (GPU runs) adamw_torch_fused
