@@ -12,6 +12,8 @@ from memgrad_hf.kernels.state_codes import LEGACY_DTYPE as LEGACY_8BIT_DTYPE
 from memgrad_hf.kernels.state_codes import dequantize_legacy
 from memgrad_hf.optim.forge_checks import RESULT_OPTIONS, check_torch_options
 
+CODES = ".codes"  # the suffix of 8-bit state in a state dict (see StateCheckpointing.state_dict)
+
 
 class StateCheckpointing:
     """The checkpoint part of :class:`memgrad_hf.optim.forge.ForgeOptimizer`: a resumed run continues exactly."""
@@ -44,12 +46,19 @@ class StateCheckpointing:
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
+        # 8-bit codes go under "<name>.codes": torch.optim would cast codes under a moment's own name to the
+        # weight's dtype and take them as the moment (values 0-255). Under another name it cannot use them: its
+        # first step raises KeyError(name) instead of training on wrong state. Convert through fp32 state instead.
+        sd["state"] = {i: {(k + CODES if torch.is_tensor(v) and v.dtype == K.Q_DTYPE else k): v for k, v in st.items()}
+                       for i, st in sd["state"].items()}
         sd["forge"] = {"skipped_steps": self.skipped_steps, "prev_norm": self._prev_norm}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         extra = state_dict.pop("forge", {})
+        state_dict["state"] = {i: {k.removesuffix(CODES): v for k, v in st.items()}
+                               for i, st in state_dict.get("state", {}).items()}
         name = type(self).__name__
         for group in state_dict.get("param_groups", ()):  # e.g. a torch AdamW's, saved with amsgrad=True
             check_torch_options(name, {k: v for k, v in group.items() if k in RESULT_OPTIONS})

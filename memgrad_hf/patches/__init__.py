@@ -74,6 +74,15 @@ def patch_model(
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"patch_model expects a torch.nn.Module; got {type(model).__name__}.")
+    if not head:  # a no-op, warned (a script may pass its flags through) rather than refused
+        if titans is None:
+            logger.warning("patch_model(head=False) without titans= changes nothing: pass titans=TitansConfig(...) "
+                           "to add only the Titans memory, or head=True for the chunked head.")
+        ignored = [k for k, v in (("chunk_size", chunk_size), ("accum_dtype", accum_dtype),
+                                  ("grad_in_forward", grad_in_forward)) if v is not None]
+        if ignored:
+            logger.warning(f"patch_model(head=False): {', '.join(ignored)} configure the chunked head, which "
+                           "head=False leaves out, and are ignored; drop them or pass head=True.")
     target = _causal_lm(model)
     if titans is not None:  # first: a bad Titans argument raises before anything is changed
         from memgrad_hf.patches.titans import inject_titans, remove_titans

@@ -213,12 +213,26 @@ def _titans_keys_expected(model_class: Any, path: str, kwargs: dict[str, Any]):
             del cls._keys_to_ignore_on_load_unexpected
 
 
+def _saved_model_class(path: str, hub_kwargs: dict[str, Any]) -> Any:
+    """The class ``save_pretrained`` recorded in the config (a seq2seq model is no ``AutoModelForCausalLM``), else
+    ``AutoModelForCausalLM``."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path, **hub_kwargs)
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModelForCausalLM
+
+
 def from_pretrained(path: str | os.PathLike, *, model_class: Any = None, **kwargs: Any) -> nn.Module:
     """Load a checkpoint saved from a Titans-patched model, memory included.
 
-    Loads with ``model_class.from_pretrained(path, **kwargs)`` (default ``AutoModelForCausalLM``; ``dtype``,
-    ``device_map`` etc. pass through), re-injects the memory from ``config.memgrad_titans`` and loads its weights.
-    The result is a patched model (``patch_model(model)`` can add the chunked head; ``unpatch_model`` removes both).
+    Loads with ``model_class.from_pretrained(path, **kwargs)`` (default: the class named in the saved config's
+    ``architectures``, else ``AutoModelForCausalLM``; ``dtype``, ``device_map`` etc. pass through), re-injects
+    the memory from ``config.memgrad_titans`` and loads its weights. The result is a patched model
+    (``patch_model(model)`` can add the chunked head; ``unpatch_model`` removes both).
 
     Example::
 
@@ -227,17 +241,15 @@ def from_pretrained(path: str | os.PathLike, *, model_class: Any = None, **kwarg
         model.save_pretrained("out")
         model = memgrad_hf.titans.from_pretrained("out")   # same outputs as the model that was saved
     """
-    if model_class is None:
-        from transformers import AutoModelForCausalLM
-
-        model_class = AutoModelForCausalLM
     path = os.fspath(path)
+    hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+    if model_class is None:
+        model_class = _saved_model_class(path, hub_kwargs)
     with _titans_keys_expected(model_class, path, kwargs):
         model = model_class.from_pretrained(path, **kwargs)
     ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
     if isinstance(ignored, set):  # the instance copied the temporary pattern; the memory is loaded below
         ignored.discard(_EXPECTED_PATTERN)
-    hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
     return load_titans(model, path, **hub_kwargs)
 
 

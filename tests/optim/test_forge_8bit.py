@@ -217,8 +217,8 @@ def _as_legacy(sd):
     sd = copy.deepcopy(sd)
     for st in sd["state"].values():
         for name in ("exp_avg", "exp_avg_sq"):
-            if name + ".scale" in st:
-                x = dequantize_8bit(st[name], st[name + ".scale"], positive=name == "exp_avg_sq")
+            if name + ".scale" in st:  # (before 2026-11-27 the codes were saved under the moment's own name)
+                x = dequantize_8bit(st.pop(name + ".codes"), st[name + ".scale"], positive=name == "exp_avg_sq")
                 blocks = torch.nn.functional.pad(x, (0, (-x.shape[-1]) % Q_BLOCK)).reshape(*x.shape[:-1], -1, Q_BLOCK)
                 amax = blocks.abs().amax(-1)
                 scale = torch.where(amax > 0, amax / 224.0, torch.ones_like(amax))
@@ -241,7 +241,7 @@ def test_8bit_checkpoint_from_before_2026_11_27_resumes_in_the_current_codes(mon
             if name + ".scale" in saved:
                 assert st[name].dtype == Q_DTYPE, i
                 pos = name == "exp_avg_sq"
-                want = dequantize_8bit(saved[name], saved[name + ".scale"], positive=pos)
+                want = dequantize_8bit(saved[name + ".codes"], saved[name + ".scale"], positive=pos)
                 got = dequantize_8bit(st[name], st[name + ".scale"], positive=pos)
                 blk = want.abs().amax()
                 assert ((got - want).abs() <= 2**-3 * want.abs() + 2**-9 * blk).all(), (i, name)
@@ -265,8 +265,8 @@ def test_resume_with_another_state_dtype_converts_the_state(monkeypatch):
     for saved, st in zip(sd8["state"].values(), opt_b.state.values(), strict=True):
         assert not any(k.endswith(".scale") for k in st)
         if "exp_avg.scale" in saved:
-            assert torch.equal(st["exp_avg"], dequantize_8bit(saved["exp_avg"], saved["exp_avg.scale"]))
-            root = dequantize_8bit(saved["exp_avg_sq"], saved["exp_avg_sq.scale"], positive=True)
+            assert torch.equal(st["exp_avg"], dequantize_8bit(saved["exp_avg.codes"], saved["exp_avg.scale"]))
+            root = dequantize_8bit(saved["exp_avg_sq.codes"], saved["exp_avg_sq.scale"], positive=True)
             assert torch.equal(st["exp_avg_sq"], root.square())
         else:
             assert all(torch.equal(st[k], saved[k]) for k in ("exp_avg", "exp_avg_sq"))
@@ -283,6 +283,30 @@ def test_resume_with_another_state_dtype_converts_the_state(monkeypatch):
     assert all(torch.isfinite(p).all() for p in (*b.parameters(), *c.parameters()))
     for o in (opt_a, opt_b, opt_c):
         o.detach()
+
+
+def test_8bit_state_dict_is_not_taken_for_moments_by_torch_adamw(monkeypatch):
+    """torch.optim casts a saved state tensor to the weight's dtype on load: 8-bit codes under the moment's own name
+    would become moments of 0-255 and train on silently. Saved under their own name they cannot be used: torch's
+    AdamW fails at its first step; the 8-bit state goes to torch through an fp32-state FORGE optimizer, exactly."""
+    monkeypatch.setattr(forge_mod, "_MIN_8BIT_NUMEL", 0)
+    a, opt_a, ids, sd8 = _two_8bit_steps()
+    assert any(k.endswith(".codes") for st in sd8["state"].values() for k in st)
+    b = copy.deepcopy(a)
+    opt_a.detach()
+    torch_opt = torch.optim.AdamW(b.parameters(), lr=1e-3)
+    torch_opt.load_state_dict(sd8)
+    b(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(KeyError, match="exp_avg"):
+        torch_opt.step()
+    c = copy.deepcopy(a)
+    opt_c = ForgeAdamW(c.parameters(), model=c, lr=1e-3, state_dtype=torch.float32)
+    opt_c.load_state_dict(sd8)
+    torch_opt = torch.optim.AdamW(copy.deepcopy(a).parameters(), lr=1e-3)
+    torch_opt.load_state_dict(opt_c.state_dict())
+    for saved, st in zip(opt_c.state.values(), torch_opt.state.values(), strict=True):
+        assert all(torch.equal(st[k], saved[k]) for k in ("exp_avg", "exp_avg_sq"))
+    opt_c.detach()
 
 
 def test_fp32_state_of_bf16_weights_resumes_bit_identical():

@@ -4,6 +4,7 @@ checkpointing, save/load, exact unpatch."""
 import copy
 import inspect
 import json
+import logging
 import warnings
 
 import pytest
@@ -348,6 +349,37 @@ def test_save_pretrained_round_trip_and_plain_transformers_load(tmp_path):
         assert torch.equal(from_pretrained(tmp_path / "sharded")(ids).logits, patched)
 
 
+def test_from_pretrained_loads_a_seq2seq_model_as_the_class_it_was_saved_from(tmp_path):
+    # patch_model takes encoder-decoders; loading them as AutoModelForCausalLM (the old default) raised
+    # transformers' "Unrecognized configuration class" naming no fix
+    from transformers import BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    seq2seq = BartForConditionalGeneration(tiny_model("bart").config).eval()
+    model = memgrad_hf.patch_model(seq2seq, head=False, titans=TitansConfig(layers=[-1], **CFG))
+    _activate(model)
+    ids = _ids()
+    with torch.no_grad():
+        patched = model(input_ids=ids, decoder_input_ids=ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model) and is_titans_patched(loaded)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids, decoder_input_ids=ids).logits, patched)
+
+
+def test_patch_model_without_head_or_memory_warns_that_it_changes_nothing(caplog):
+    # both were silent no-ops: head=False alone, and head settings passed with head=False
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        memgrad_hf.patch_model(tiny_model("llama"), head=False)
+    assert "changes nothing" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        model = memgrad_hf.patch_model(tiny_model("llama"), head=False, titans=TitansConfig(layers=[0], **CFG),
+                                       chunk_size=64)
+    assert "chunk_size" in caplog.text and "ignored" in caplog.text and is_titans_patched(model)
+
+
 def test_save_titans_separately_and_mismatch_errors(tmp_path):
     model = _activate(_patched(layers=(0,)))
     ids = _ids()
@@ -389,6 +421,7 @@ def test_bad_arguments():
         memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[1]))
     remove_titans(model)
     remove_titans(model)  # idempotent
+
 
     class NoLayers(torch.nn.Module):
         def __init__(self):
