@@ -8,7 +8,8 @@
 2. The same with a Titans memory branch (``patch_model(titans=...)``), AdamW: it trains under DDP with
    ``ddp_find_unused_parameters=False`` (DDP would fail if a parameter got no gradient), its memory parameters
    move and the ranks end with identical weights.
-3. ``optim="forge_adamw"`` is refused with the error that names the limitation.
+3. ``optim="forge_adamw"`` is refused with the error that names the limitation; so is a FORGE optimizer built
+   before the process group started, given to the Trainer or trained in a loop under DDP.
 4. FSDP2 (``fully_shard`` per decoder layer and the root) and FSDP1 (``FullyShardedDataParallel``, decoder-layer
    auto-wrap), tied and untied heads: 3 SGD steps patched equal stock. An ``lm_head`` sharded as its own FSDP2 unit
    is refused with ``UnsupportedModelError`` (it is only gathered around its own forward).
@@ -30,6 +31,7 @@ from transformers.utils import logging as hf_logging
 
 import memgrad_hf
 from memgrad_hf import UnsupportedModelError
+from memgrad_hf.optim import ForgeAdamW
 from memgrad_hf.titans import TitansConfig
 
 SEQ, N = 12, 16
@@ -53,11 +55,12 @@ def dataset() -> list[dict]:
     return rows
 
 
-def train(model: torch.nn.Module, out: str, **kw) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train(model: torch.nn.Module, out: str, optimizers: tuple = (None, None),
+          **kw) -> tuple[list[float], dict[str, torch.Tensor]]:
     args = TrainingArguments(output_dir=out, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
                              logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
                              disable_tqdm=True, max_grad_norm=1.0, ddp_find_unused_parameters=False, **kw)
-    t = Trainer(model=model, args=args, train_dataset=dataset())
+    t = Trainer(model=model, args=args, train_dataset=dataset(), optimizers=optimizers)
     t.train()
     losses = [h["loss"] for h in t.state.log_history if "loss" in h]
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -125,6 +128,9 @@ def main(report_path: str) -> None:
     hf_logging.set_verbosity_error()
     out = tempfile.mkdtemp()
     report: dict = {}
+    assert not dist.is_initialized()  # FORGE optimizers built before the process group: the constructor cannot see it
+    early = [build() for _ in range(2)]
+    early_opts = [ForgeAdamW(m.parameters(), model=m, lr=1e-2) for m in early]
     stock_losses, stock = train(build(), out, optim="sgd")
     report["world_size"] = dist.get_world_size()
     model = memgrad_hf.patch_model(build())
@@ -144,6 +150,20 @@ def main(report_path: str) -> None:
         report["forge_error"] = None
     except ValueError as e:
         report["forge_error"] = str(e)
+    try:  # the Trainer given one built before the group: refused when train() starts
+        train(early[0], out, optimizers=(early_opts[0], None))
+        report["forge_early_trainer_error"] = None
+    except ValueError as e:
+        report["forge_early_trainer_error"] = str(e)
+    ddp = torch.nn.parallel.DistributedDataParallel(early[1])  # a loop's DDP wrapper (Accelerator.prepare's too)
+    batch = dataset()[2 * dist.get_rank()]
+    try:  # refused at the first update, before any rank has changed a weight
+        ddp(input_ids=torch.tensor([batch["input_ids"]]), labels=torch.tensor([batch["labels"]])).loss.backward()
+        report["forge_early_loop_error"] = None
+    except ValueError as e:
+        report["forge_early_loop_error"] = str(e)
+    report["forge_early_loop_unchanged"] = all(torch.equal(p, q) for p, q in zip(
+        early[1].parameters(), build().parameters(), strict=True))
     for kind in ("fsdp1", "fsdp2"):
         for tied in (False, True):
             (l0, p0), (l1, p1) = fsdp_train(kind, tied, False), fsdp_train(kind, tied, True)

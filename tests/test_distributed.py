@@ -44,6 +44,14 @@ def test_forge_is_refused_under_ddp_with_a_clear_error(report):
     assert msg is not None and "does not support distributed training" in msg and "adamw_torch" in msg
 
 
+def test_forge_built_before_the_process_group_is_refused_too(report):
+    # it trained with no error, each rank from its own gradient: replicas 4e-2 apart after a few steps
+    for key in ("forge_early_trainer_error", "forge_early_loop_error"):
+        msg = report[key]
+        assert msg is not None and "support distributed training" in msg, key
+    assert report["forge_early_loop_unchanged"]
+
+
 @pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_patched_head_under_fsdp_equals_stock(report, kind, tied):

@@ -240,6 +240,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._wrapped_forward = False
         self._norm_pass_seen = False
         self._attached = False
+        self._solo_checked = False
         self._unhooked: list[Tensor] = []
         forge_ops.register(self)  # how a compiled model's FORGE layers find this optimizer
         self._compiled_pending: set[Tensor] = set()
@@ -288,6 +289,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._hooked = {p for p in self._group_index if p.requires_grad}
         self._unhooked = [p for p in self._group_index if not p.requires_grad]  # (see _hook_new)
         self._attached = True
+        self._solo_checked = False  # (see _refuse_distributed)
         ForgeOptimizer._attached_now.add(self)
         if self.needs_norm_pass and not self._replays_clip():
             allow_retained_compiled_backward()
@@ -347,6 +349,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         the Trainer's applies on top (clipping at one norm and then at another is clipping at the smaller) until
         ``end_trainer`` gives its own back; its norm pass then hooks into ``Accelerator.backward`` as for one the
         Trainer built."""
+        refuse_distributed(self.model)  # (the process group may have started after the constructor's check)
         if not self._trainer_managed:
             self.detach()  # (undoes the forward wrapper of a hand-written loop's exact clipping)
             self._trainer_managed = True
@@ -461,11 +464,20 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                 coef: float, seed: int, offset: int) -> None:
         """Apply the rule to ``target`` (``p`` or a row block of it at element ``offset``) from the gradient ``g``;
         its norm is logged, a non-finite ``g`` is skipped and counted (on a GPU, per tile, without a host sync)."""
+        if not self._solo_checked:
+            self._refuse_distributed()
         impl = self._update_impl(target, g)
         with torch.no_grad():
             impl(self.rule, target, g, st, hp, step, coef=coef, seed=seed, offset=offset,
                  stochastic_rounding=self.stochastic_rounding, exact_norm=self._exact_norm,
                  chunk_elems=max(self._tile_bytes(p) // 4, 1), sums=self._sums(target.device))
+
+    def _refuse_distributed(self) -> None:
+        """The constructor's check again, at the first update after each attach: an optimizer built before the
+        process group (then the Trainer's, or ``Accelerator.prepare``'s DDP wrapper) would otherwise update each rank
+        from its own gradient, and the replicas drift apart."""
+        refuse_distributed(self.model)
+        self._solo_checked = True
 
     def _sums(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """This step's (Σ g², skipped tiles) accumulators on ``device`` (fp32 where the Triton kernels add into them
@@ -509,6 +521,8 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
 
     def _linear_weight_backward(self, weight: Tensor, dy: Tensor, x: Tensor) -> None:
         """Called from the fused linear's backward with ``dy`` ``[N, out]`` and ``x`` ``[N, in]``."""
+        if not self._solo_checked:
+            self._refuse_distributed()
         self._in_layer.add(weight)
         if not self._is_sync():  # gradient accumulation: keep the sum in .grad until the sync micro-batch
             g = (dy.t() @ x).to(weight.dtype)
