@@ -7,12 +7,26 @@ original computes; the first optimizer step moves ``W_o`` and from then on every
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from memgrad_hf.titans.memory import NeuralMemory, NeuralMemState
+
+logger = logging.getLogger(__name__)
+
+
+def _warn_if_inert(branch: GatedMemoryBranch) -> None:
+    """A frozen ``W_o`` still at its zero start makes the branch add nothing while it costs its compute: what PEFT
+    leaves when the memory is not in ``modules_to_save``. Checked once per branch, at its first training forward."""
+    branch._inert_checked = True
+    if not branch.out.weight.requires_grad and not bool(branch.out.weight.any()):
+        logger.warning(
+            "Titans memory: this branch is frozen with its output projection still zero, so it adds nothing to the "
+            "model. PEFT freezes modules outside its adapters: pass LoraConfig(modules_to_save=['titans_memory']) "
+            "(or set requires_grad on the memory's parameters) to train it.")
 
 
 class GatedMemoryBranch(nn.Module):
@@ -40,6 +54,9 @@ class GatedMemoryBranch(nn.Module):
 
     def forward(self, x: Tensor, state: NeuralMemState | None = None, mask: Tensor | None = None,
                 ) -> tuple[Tensor, NeuralMemState]:
+        if self.training and torch.is_grad_enabled() and not getattr(self, "_inert_checked", False) \
+                and not torch.compiler.is_compiling():
+            _warn_if_inert(self)
         h = x
         if x.dtype != self.gate.weight.dtype and not torch.is_autocast_enabled(x.device.type):
             # a residual stream kept in another dtype than the weights (mamba's residual_in_fp32 in a bf16 model):

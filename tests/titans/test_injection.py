@@ -299,6 +299,23 @@ def test_peft_lora_with_memory_in_modules_to_save():
     assert len(trained) == 1 and trained[0].grad.abs().sum() > 0
 
 
+def test_peft_freezing_the_untrained_memory_is_warned_about(caplog):
+    # PEFT freezes a memory left out of modules_to_save: still zero, its branch added nothing, silently
+    from peft import LoraConfig, get_peft_model
+
+    model = memgrad_hf.patch_model(tiny_model("llama").train(), titans=TitansConfig(layers=[1], **CFG))
+    frozen = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        _hf_loss(frozen, _ids(n=8)).backward()
+    assert "adds nothing" in caplog.text and "modules_to_save=['titans_memory']" in caplog.text
+    caplog.clear()
+    model = memgrad_hf.patch_model(tiny_model("llama").train(), titans=TitansConfig(layers=[1], **CFG))
+    kept = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["titans_memory"]))
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        _hf_loss(kept, _ids(n=8)).backward()
+    assert "adds nothing" not in caplog.text
+
+
 def test_memory_added_to_a_peft_model_warns_that_peft_will_not_save_it(caplog):
     # (the memory trained, then PEFT's save and every Trainer checkpoint left it out: resumed runs restarted it)
     import logging
