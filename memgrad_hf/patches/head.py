@@ -151,8 +151,8 @@ def _to_head_device(head: nn.Module, x: torch.Tensor, owner: str) -> torch.Tenso
     if w.device.type == "meta":
         raise UnsupportedModelError(
             f"{owner}'s LM head weight is offloaded (on the meta device between calls, as accelerate's cpu/disk "
-            "offload in device_map leaves it); the chunked head needs it resident through backward. Keep lm_head on an "
-            "accelerator in device_map, or use patch_model(model, head=False)."
+            "offload in device_map leaves it); the chunked head needs it resident through backward. Place lm_head on a "
+            "device in device_map (a GPU, or 'cpu'; not 'disk' nor offloaded), or use patch_model(model, head=False)."
         )
     return x.to(w.device)
 
