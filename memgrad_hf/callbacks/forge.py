@@ -24,15 +24,36 @@ def _forge(optimizer: Any) -> Any:
     return inner if isinstance(inner, ForgeOptimizer) else None
 
 
+_AFTER_BACKWARD = ("on_pre_optimizer_step", "on_optimizer_step")
+
+
+def _acts_after_backward(callback: Any) -> bool:
+    """A user's callback with code between backward and the optimizer step (the libraries' own only time or stop
+    there, e.g. transformers' JIT checkpointing)."""
+    if type(callback).__module__.split(".")[0] in ("transformers", "trl", "memgrad_hf"):
+        return False
+    return any(getattr(type(callback), n, None) is not getattr(TrainerCallback, n) for n in _AFTER_BACKWARD)
+
+
 class ForgeLogCallback(TrainerCallback):
     """Puts ``grad_norm`` (pre-clipping global norm) and ``forge_skipped_steps`` into the Trainer's logs; attaches
     the FORGE optimizer to the model for the time of ``train()``."""
+
+    others: list[Any] = []  # the Trainer's other callbacks, set when train() starts (optim.registration)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, model: Any = None,
                        **kwargs: Any) -> None:
         opt = _forge(optimizer)
         if opt is not None:
             opt.begin_trainer(float(args.max_grad_norm or 0.0))
+            late = sorted({type(c).__name__ for c in self.others if _acts_after_backward(c)})
+            if late:
+                log.warning(
+                    "%s run on_pre_optimizer_step / on_optimizer_step: with %s the update is applied inside backward, "
+                    "so there no weight has a .grad, and gradients edited or hyperparameters (lr) set there do not "
+                    "change this step (a hyperparameter applies from the next one). Read gradients with "
+                    "tensor.register_hook on the weights, and set the lr in on_step_begin.", ", ".join(late),
+                    type(opt).__name__)
             return
         ref = getattr(model, "_memgrad_forge_optimizer", None)
         stale = ref() if ref is not None else None

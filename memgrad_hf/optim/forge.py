@@ -241,6 +241,8 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._norm_pass_seen = False
         self._attached = False
         self._solo_checked = False
+        self._hp_used: list[dict[str, Any]] | None = None  # the groups as this step's first update read them
+        self._warned_late_hp = False
         self._unhooked: list[Tensor] = []
         forge_ops.register(self)  # how a compiled model's FORGE layers find this optimizer
         self._compiled_pending: set[Tensor] = set()
@@ -781,8 +783,29 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         return sum(float(p.grad.detach().float().square().sum()) for p in self.model.parameters()
                    if p.requires_grad and p.grad is not None and p not in self._group_index)
 
+    def _hyperparameters(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+
+    def _warn_late_hyperparameters(self) -> None:
+        """torch.optim reads the groups in step(); FORGE read them when it applied the update, in backward. A value
+        changed in between (a Trainer callback's on_pre_optimizer_step, a loop setting the lr after backward) is
+        said to apply from the next step, not silently ignored for this one."""
+        used, now = self._hp_used, self._hyperparameters()
+        if used != now and not self._warned_late_hp:
+            self._warned_late_hp = True
+            changed = sorted({k for u, n in zip(used, now, strict=False) for k in n if u.get(k) != n[k]})
+            log.warning(
+                "%s: %s changed between backward and step() (e.g. in a Trainer callback's on_pre_optimizer_step, or "
+                "set after loss.backward()): FORGE applied this step's update inside backward with the previous "
+                "values; the new ones apply from the next step. Change hyperparameters before the forward (a "
+                "callback's on_step_begin) for them to apply to the step.", type(self).__name__,
+                ", ".join(changed) or "the param groups")
+
     def step(self, closure: Any = None) -> Any:
         """The updates already happened in backward; this closes the step (bookkeeping, logging)."""
+        if self._applied and self._hp_used is not None:
+            self._warn_late_hyperparameters()
+        self._hp_used = None
         loss = None
         if closure is not None:
             with torch.enable_grad():

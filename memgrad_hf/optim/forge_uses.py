@@ -174,6 +174,8 @@ class UseTracking:
     def _note_update(self, p: Tensor) -> None:
         """Warn once when a parameter is updated twice between two step() calls (each backward applies an update)."""
         if p not in self._applied:
+            if not self._applied:  # the step's first update (see ForgeOptimizer._warn_late_hyperparameters)
+                self._hp_used = self._hyperparameters()
             self._applied.add(p)
         elif not self._warned_twice:
             self._warned_twice = True

@@ -235,6 +235,12 @@ def _hook_trainer_train() -> None:
 
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from memgrad_hf.callbacks.forge import ForgeLogCallback
+
+        handler = getattr(self, "callback_handler", None)
+        for cb in getattr(handler, "callbacks", ()):
+            if isinstance(cb, ForgeLogCallback):  # (it checks the others once the optimizer is known)
+                cb.others = [c for c in handler.callbacks if c is not cb]
         try:
             return original(self, *args, **kwargs)
         except BaseException:

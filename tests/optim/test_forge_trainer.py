@@ -1,6 +1,7 @@
 """FORGE in HF Trainer against torch.optim (fp32): weights, logged losses and grad norms match."""
 
 import copy
+import logging
 import math
 import types
 
@@ -709,3 +710,42 @@ def test_clip_previous_scales_by_the_previous_steps_norm(patched):
         assert opt.last_grad_norm == pytest.approx(norm, rel=1e-5), step
         prev = norm
     _assert_weights_close(model, ref)
+
+
+def test_a_callback_acting_after_backward_is_warned_about(tmp_path, caplog):
+    # an lr set in on_pre_optimizer_step applies to torch's step, but FORGE had already updated in backward: it was
+    # ignored (then overwritten by the scheduler) without a word, as were gradients read or edited there
+    from transformers import TrainerCallback
+
+    class LateLR(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+            for g in optimizer.param_groups:
+                g["lr"] = 1e-3 * (state.global_step + 1)
+
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        t = Trainer(model=tiny_model("llama"), args=_args(tmp_path, "forge_adamw", max_steps=2),
+                    train_dataset=_data(), callbacks=[LateLR()])
+        t.train()
+    assert "LateLR run on_pre_optimizer_step" in caplog.text  # at train(), before any step
+    assert "lr changed between backward and step()" in caplog.text  # at the first step() it happened
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        _train(tiny_model("llama"), _args(tmp_path, "forge_adamw", max_steps=2))  # the scheduler: no warning
+    assert "between backward and step()" not in caplog.text and "on_pre_optimizer_step" not in caplog.text
+
+
+def test_an_lr_set_after_backward_in_a_loop_is_warned_about(caplog):
+    model = tiny_model("llama")
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-3)
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        for lr in (1e-3, 2e-3):  # set before the forward: applies to the step, nothing to say
+            opt.param_groups[0]["lr"] = lr
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+        assert "between backward and step()" not in caplog.text
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.param_groups[0]["lr"] = 5e-3  # after: torch's step would use it, FORGE already updated
+        opt.step()
+    assert "lr changed between backward and step()" in caplog.text
+    opt.detach()
