@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import types
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,6 +238,22 @@ _CACHE_METHODS = {
 }
 
 
+class _CacheMethod:
+    """One of ``_CACHE_METHODS`` installed on a cache instance. It holds the cache weakly: a bound method would make
+    the cache refer to itself, and a dropped cache (its K/V tensors with their graph) would wait for Python's cycle
+    collector instead of being freed at once. A deep copy of the cache calls it on the copy."""
+
+    def __init__(self, fn: Any, cache: Any) -> None:
+        self.fn, self.cache = fn, weakref.ref(cache)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(self.cache(), *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CacheMethod:
+        cache = self.cache()
+        return _CacheMethod(self.fn, memo.get(id(cache), cache))
+
+
 def _cache_states(cache: Any) -> dict[int, _CachedState]:
     """The memory states kept on ``cache`` (installed on first use, with the batch/beam methods that move them)."""
     states = cache.__dict__.get(_CACHE_ATTR)
@@ -246,7 +262,7 @@ def _cache_states(cache: Any) -> dict[int, _CachedState]:
         setattr(cache, _CACHE_ATTR, states)
         for name, fn in _CACHE_METHODS.items():
             if callable(getattr(type(cache), name, None)) and name not in cache.__dict__:
-                setattr(cache, name, types.MethodType(fn, cache))  # bound: deepcopy rebinds to the copy
+                setattr(cache, name, _CacheMethod(fn, cache))
     return states
 
 
