@@ -307,6 +307,18 @@ def _warn_clip_does_nothing(opt: Any, max_norm: float, caller: str) -> None:
         "optimizer.last_grad_norm holds the measured norm.", caller, max_norm, type(opt).__name__, max_norm)
 
 
+def _measured_norm(opt: Any, parameters: list, max_norm: float, args: tuple, kwargs: dict) -> float | None:
+    """The 2-norm ``opt`` measured this step, where it clips exactly at ``max_norm`` over every trainable one of
+    ``parameters``; else None."""
+    norm_type = args[0] if args else kwargs.get("norm_type", 2.0)
+    if (float(norm_type) != 2.0 or not opt.max_grad_norm or opt.max_grad_norm != max_norm or opt.clip == "previous"
+            or opt.last_grad_norm is None):
+        return None
+    if not all(p in opt._group_index for p in parameters if p.requires_grad):
+        return None
+    return float(opt.last_grad_norm)
+
+
 def _hook_torch_clip() -> None:
     """``torch.nn.utils.clip_grad_norm_`` over parameters of an attached FORGE optimizer, the usual idiom of a
     hand-written loop, silently clips nothing (no ``.grad`` exists): said once, with the fix."""
@@ -320,12 +332,18 @@ def _hook_torch_clip() -> None:
     def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
         from memgrad_hf.optim.forge import ForgeOptimizer
 
+        measured = None
         if ForgeOptimizer._attached_now:  # (a WeakSet: empty unless some FORGE optimizer is attached)
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             for opt in list(ForgeOptimizer._attached_now):
                 if any(p in opt._group_index for p in parameters):
                     _warn_clip_does_nothing(opt, max_norm, "torch.nn.utils.clip_grad_norm_")
-        return original(parameters, max_norm, *args, **kwargs)
+                    if measured is None:
+                        measured = _measured_norm(opt, parameters, max_norm, args, kwargs)
+        total = original(parameters, max_norm, *args, **kwargs)
+        # the optimizer clipped exactly at this norm in backward: the call's usual result is the norm it measured
+        # (the loop that logs it would log 0: no .grad is left)
+        return total if measured is None else total.new_tensor(measured)
 
     clip_grad_norm_._memgrad_forge = True  # type: ignore[attr-defined]
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_

@@ -848,3 +848,31 @@ def test_a_sparse_embedding_gradient_is_refused_by_name_under_clipping_too():
     with pytest.raises(RuntimeError, match="does not support sparse gradients"):
         opt.backward(net(torch.tensor([[1, 2, 3]])).sum())
     opt.detach()
+
+
+def test_clip_grad_norm_at_the_optimizers_norm_returns_the_norm_it_measured():
+    # the recommended loop (the optimizer clips at max_grad_norm, the loop keeps its clip call to log the norm)
+    # logged 0.0 at every step: no .grad is left after backward
+    from accelerate import Accelerator
+
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    acc = Accelerator(cpu=True)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=1.0)
+    model, opt = acc.prepare(model, opt)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(2):
+        ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(step))
+        acc.backward(model(input_ids=ids, labels=ids).loss)
+        got = (acc.clip_grad_norm_(model.parameters(), 1.0), torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        opt.step()
+        opt.zero_grad()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for g in got:
+            assert g.item() == pytest.approx(want.item(), rel=1e-5), step
+        inf = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"))
+        assert inf.item() == 0.0  # another norm than the one measured: the usual result (no .grad)
+    opt.optimizer.detach()

@@ -213,7 +213,7 @@ def test_a_dropped_cache_is_freed_at_once():
     try:
         out = model(ids, labels=ids, use_cache=True)
         cache = weakref.ref(out.past_key_values)
-        assert callable(getattr(out.past_key_values, "reorder_cache"))  # the memory's methods are installed
+        assert "reorder_cache" in vars(out.past_key_values)  # the memory's methods are installed
         out.loss.backward()
         del out
         assert cache() is None
