@@ -94,8 +94,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 "memgrad_hf: backward through the fused cross-entropy a second time (retain_graph=True, "
                 "torch.autograd.gradcheck): its gradients are computed in forward and handed to the first backward. "
                 "Wrap the earlier backward in memgrad_hf.functional.retain_head_grads() to keep them, or have the "
-                "logits recomputed in each backward: patch_model(model, grad_in_forward=False), or "
-                "grad_in_forward=False to linear_cross_entropy."
+                "logits recomputed in each backward: patch_model(model, grad_in_forward=False) (under a FORGE "
+                "optimizer its own option decides: optim_args head_grad=recompute), or grad_in_forward=False to "
+                "linear_cross_entropy."
             )
         dx, dw, db = ctx.grads
         retain = _RETAIN["on"]

@@ -158,8 +158,8 @@ class UseTracking:
             self._shared_unreported[why].append(name)
             return
         self._shared_unreported[why] = []
-        log.warning("forge: %s %s: its gradient is summed by autograd and then applied once, as torch.optim does (its "
-                    "weight gradient exists in full for that moment).", name, why)
+        log.warning("forge: %s %s: its gradient within a backward is summed by autograd and then applied once, as "
+                    "torch.optim does (its weight gradient exists in full for that moment).", name, why)
 
     def _report_shared(self) -> None:
         """The weights :meth:`_mark_shared` found this step after the first of each reason, in one line per reason."""
