@@ -244,7 +244,8 @@ def from_pretrained(path: str | os.PathLike, *, model_class: Any = None, **kwarg
     path = os.fspath(path)
     hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
     if model_class is None:
-        model_class = _saved_model_class(path, hub_kwargs)
+        remote = {k: kwargs[k] for k in ("trust_remote_code",) if k in kwargs}
+        model_class = _saved_model_class(path, {**hub_kwargs, **remote})
     with _titans_keys_expected(model_class, path, kwargs):
         model = model_class.from_pretrained(path, **kwargs)
     ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
