@@ -30,9 +30,11 @@ _AFTER_BACKWARD = ("on_pre_optimizer_step", "on_optimizer_step")
 def _acts_after_backward(callback: Any) -> bool:
     """A user's callback with code between backward and the optimizer step (the libraries' own only time or stop
     there, e.g. transformers' JIT checkpointing)."""
-    if type(callback).__module__.split(".")[0] in ("transformers", "trl", "memgrad_hf"):
-        return False
-    return any(getattr(type(callback), n, None) is not getattr(TrainerCallback, n) for n in _AFTER_BACKWARD)
+    for name in _AFTER_BACKWARD:
+        owner = next((c for c in type(callback).__mro__ if name in vars(c)), TrainerCallback)  # where it is defined
+        if owner is not TrainerCallback and owner.__module__.split(".")[0] not in ("transformers", "trl", "memgrad_hf"):
+            return True
+    return False
 
 
 class ForgeLogCallback(TrainerCallback):

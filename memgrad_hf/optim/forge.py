@@ -784,7 +784,9 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                    if p.requires_grad and p.grad is not None and p not in self._group_index)
 
     def _hyperparameters(self) -> list[dict[str, Any]]:
-        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        # (a tensor lr is changed in place by torch's schedulers: its value, not the tensor)
+        return [{k: v.clone() if isinstance(v, Tensor) else v for k, v in g.items() if k != "params"}
+                for g in self.param_groups]
 
     def _warn_late_hyperparameters(self) -> None:
         """torch.optim reads the groups in step(); FORGE read them when it applied the update, in backward. A value

@@ -297,8 +297,8 @@ def _hook_accelerator_backward() -> None:
 def _warn_clip_does_nothing(opt: Any, max_norm: float, caller: str) -> None:
     """Once per optimizer: a clip call in a hand-written loop finds no ``.grad`` to clip (FORGE applied each update
     inside backward), unless the optimizer itself clips at that norm. The Trainer's own call clips through FORGE."""
-    if (opt._trainer_managed or not max_norm or not math.isfinite(max_norm) or opt.max_grad_norm == max_norm
-            or opt._clip_call_warned):
+    exact = opt.max_grad_norm == max_norm and opt.clip != "previous"  # (then the call returns the measured norm)
+    if opt._trainer_managed or not max_norm or not math.isfinite(max_norm) or exact or opt._clip_call_warned:
         return
     opt._clip_call_warned = True
     log.warning(
@@ -312,10 +312,10 @@ def _measured_norm(opt: Any, parameters: list, max_norm: float, args: tuple, kwa
     ``parameters``; else None."""
     norm_type = args[0] if args else kwargs.get("norm_type", 2.0)
     if (float(norm_type) != 2.0 or not opt.max_grad_norm or opt.max_grad_norm != max_norm or opt.clip == "previous"
-            or opt.last_grad_norm is None):
+            or opt.last_grad_norm is None or not opt._is_sync()):  # (a non-sync micro-batch's sum is in .grad)
         return None
-    if not all(p in opt._group_index for p in parameters if p.requires_grad):
-        return None
+    if {p for p in parameters if p.requires_grad} != {p for p in opt._group_index if p.requires_grad}:
+        return None  # a part of the model: FORGE's norm is over all of it
     return float(opt.last_grad_norm)
 
 

@@ -875,4 +875,39 @@ def test_clip_grad_norm_at_the_optimizers_norm_returns_the_norm_it_measured():
             assert g.item() == pytest.approx(want.item(), rel=1e-5), step
         inf = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"))
         assert inf.item() == 0.0  # another norm than the one measured: the usual result (no .grad)
+        head = torch.nn.utils.clip_grad_norm_(model.lm_head.parameters(), 1.0)
+        assert head.item() == 0.0  # a part of the model: not FORGE's norm, which is over all of it
     opt.optimizer.detach()
+
+
+def test_clip_grad_norm_on_a_micro_batch_that_does_not_sync_measures_dot_grad():
+    # accumulation keeps the partial sum in .grad on non-sync micro-batches: a clip call there got the previous
+    # step's measured norm instead of the norm of what it clips
+    model = tiny_model("llama")
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=1.0)
+    for step, sync in enumerate((True, False, True)):  # a whole step first: a measured norm exists
+        ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(step))
+        opt.sync = sync
+        opt.backward(model(input_ids=ids, labels=ids).loss)
+        if not sync:
+            want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
+                                                         if p.grad is not None]))
+            assert want.item() != pytest.approx(opt.last_grad_norm, rel=1e-3)
+            got = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            assert got.item() == pytest.approx(want.item(), rel=1e-6)
+        else:
+            opt.step()
+    opt.detach()
+
+
+def test_clip_grad_norm_with_the_previous_steps_norm_is_warned_about(caplog):
+    # clip="previous" measures this step's norm only in step(): the call returns 0, and said nothing
+    model = tiny_model("llama")
+    ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(0))
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-3, max_grad_norm=1.0, clip="previous")
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    opt.detach()
+    assert "does nothing with ForgeAdamW" in caplog.text
