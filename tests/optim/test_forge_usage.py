@@ -472,17 +472,22 @@ def test_a_ready_made_forge_optimizer_keeps_accelerates_autocast_over_two_trains
     assert not opt._attached and not opt._trainer_managed  # handed back for hand-written use
 
 
-def test_accelerate_loop_clipping_through_the_optimizer_and_clip_grad_norm_warns(caplog):
-    # a hand-written accelerate loop: clipping is the optimizer's (max_grad_norm=...); clip_grad_norm_ cannot clip
-    # gradients that were applied inside backward, and says so
+def _accelerate_pair(max_grad_norm: float):
+    """A tiny Llama with ForgeAdamW prepared by accelerate, and a copy of it with torch's AdamW (lr 1e-2 both)."""
     from accelerate import Accelerator
 
     model = tiny_model("llama")
     ref = copy.deepcopy(model)
     acc = Accelerator(cpu=True)
-    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=0.5)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=max_grad_norm)
     model, opt = acc.prepare(model, opt)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    return model, opt, acc, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+
+def test_accelerate_loop_clipping_through_the_optimizer_and_clip_grad_norm_warns(caplog):
+    # a hand-written accelerate loop: clipping is the optimizer's (max_grad_norm=...); clip_grad_norm_ cannot clip
+    # gradients that were applied inside backward, and says so
+    model, opt, acc, ref, ref_opt = _accelerate_pair(max_grad_norm=0.5)
     norms = []
     for step in range(3):
         ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(step))
@@ -853,14 +858,7 @@ def test_a_sparse_embedding_gradient_is_refused_by_name_under_clipping_too():
 def test_clip_grad_norm_at_the_optimizers_norm_returns_the_norm_it_measured():
     # the recommended loop (the optimizer clips at max_grad_norm, the loop keeps its clip call to log the norm)
     # logged 0.0 at every step: no .grad is left after backward
-    from accelerate import Accelerator
-
-    model = tiny_model("llama")
-    ref = copy.deepcopy(model)
-    acc = Accelerator(cpu=True)
-    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=1.0)
-    model, opt = acc.prepare(model, opt)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt, acc, ref, ref_opt = _accelerate_pair(max_grad_norm=1.0)
     for step in range(2):
         ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(step))
         acc.backward(model(input_ids=ids, labels=ids).loss)
