@@ -1,41 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark behind benchmarks/RESULTS.md's GPU tables, part by part:
-#   bash benchmarks/run_gpu.sh OUTDIR [checks] [titans] [titans-layer] [head] [grpo] [forge] [forge-profile]
-#   [evaluate] [head-profile] [forge-host] [forge-7b] [forge-compile] [demo] [titans-d128] [head-128k] [launch]
-#   [masked-lm] [priority] [confirm] [next] [next2]
-# Since 2026-11-27 a session lent a GPU has 15 minutes of device time in all, the machine's start included: one call.
-# Prepare here: `bash benchmarks/gpu_wheels.sh` (the packages the image lacks, ~17 MB in .whl/), then one device call
-# with carry [".whl"], timeout_s 570:
+#   bash benchmarks/run_gpu.sh OUTDIR [part ...]   (default: checks titans titans-layer head grpo forge forge-profile)
+# A session lent a GPU has 15 minutes of device time in all, the machine's start (~30 s) included: plan one call.
+# Prepare here with `bash benchmarks/gpu_wheels.sh` (the packages the device image lacks, ~17 MB in .whl/), then one
+# device call with carry [".whl"], timeout_s 560:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-#     .whl/*.whl && export PYTHONPATH=/tmp/site || exit; bash benchmarks/run_gpu.sh $OUT priority
-# `priority` runs the compiled-kernel checks and the three open targets (GRPO vs TRL, FORGE at ~1B batch 1, the Titans
-# D=128 kernel and the layer vs titans-pytorch); the notes below list what else is queued, by value.
-#   (default: the first seven)
-# Run G (2026-11-27, H100): `priority` took 255 s (its checks then failed to import memgrad_hf; fixed by the
-# PYTHONPATH line below), the three twin checks + tests/gpu_checks.py 241 s, `confirm` 191 s (its Titans table hit
-# its limit before the last shape's fwd rows: the limit is 140 s since). The machine's start took ~30 s.
-# Run H (2026-11-27, H100): `now` took 500 s (the Titans kernel table met issue 5's medians; its FORGE part hit its
-# limit while timing), then the ~1B compiled FORGE pair and tests/gpu_checks.py 177 s. Next session with a GPU:
-# `bash benchmarks/gpu_wheels.sh`, then one call `... run_gpu.sh $OUT next` (carry .whl, timeout_s 560).
-# Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100
-# (2026-11-22/23): checks ~4 min (first call, with the machine's start), head ~2.5 min per vocabulary (10 repeats;
-# run F stopped inside it), grpo ~3 (both tables), titans > 4 (run F did two of its shapes in 4 min), forge ~5,
-# forge-7b ~2.5 for its model table (four configs) + 1.3 for its layer sweep, demo ~2, forge-profile ~2, head-profile
-# > 3. The device allows 10 minutes per call and 30 per session, the machine's start included: plan each call
-# well under 10 minutes. Open questions, in order (2026-11-23, after run F): call 1 `launch grpo checks` (GRPO: chunks
-# sized by bf16 bytes, forward chunk + hidden, one host sync, dW blocks in place: <= 1.0x TRL at <= 0.5x memory?),
-# call 2 `forge-7b head-128k` (split's 256 MiB tiles, Lion per layer in the layer table; the head at 128256), call 3
-# `titans-d128 titans-layer` (the D=128 kernel target; the layer vs titans-pytorch, never run), then `forge-compile`,
-# `forge` (bitsandbytes 8-bit peer) and `head-profile`. GPU peak memory is now read in-process (no spawned process
-# per configuration), so the head / grpo / titans parts should take a fraction of the times above. Since 2026-11-25
-# `forge` also runs exact clipping with the chunked head (its dW blocks now kept for the replay when they fit under
-# the peak: on CPU 1.12x -> ~1.0x adamw_torch+head+clip). Since 2026-11-25 (second session) FORGE's Python per
-# linear layer is cut (CPU, kernels no-ops: +88-100 -> +25-27 µs over nn.Linear + fused AdamW, +223-241 -> +113-115
-# with exact clipping; the CUDA headroom read per layer under clipping is one allocator call instead of two Python
-# flattenings of ~140 statistics): `launch` now measures it on the GPU's host (benchmarks.forge_host), and `forge`'s
-# ~1B step times (last 1.22x adamw_torch_fused for forge_lion) should move by it. Since 2026-11-25 (fifth session)
-# the fused linear kernel applies the clip coefficient to the formed dW tile (G_LOWP by the weight's dtype) instead
-# of a host-side dY * coef: `checks` compares it compiled with the twin (interpreter-checked only so far).
+#     .whl/*.whl && export PYTHONPATH=/tmp/site || exit; bash benchmarks/run_gpu.sh $OUT next
+# `next` is what is still open (issue 3's step time at ~1B, batch 1); `next2` follows it when >= 300 s are left.
+# Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100: checks
+# ~4 min, head ~2.5 per vocabulary, grpo ~3, titans > 4, forge ~5, forge-7b ~4, demo ~2, forge-profile ~2; each
+# configuration under torch.compile compiles for ~60 s in its memory process and again in its timing one. What each
+# run measured, and why each part exists, is in RESULTS.md (runs A-H).
 set -u -o pipefail
 out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [checks titans titans-layer head grpo forge forge-profile]}
 shift
