@@ -395,7 +395,7 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     mask = _layer_mask(info, x)
     starts = None if info.store_mask is None or cache is not None else info.store_mask.starts
     if starts is not None and starts.shape[1] == x.shape[1]:  # packed documents: each from a fresh memory
-        run = lambda h: _packed_documents(branch, h, starts.expand(h.shape[0], -1))
+        run = lambda h: _packed_documents(branch, h, starts.expand(h.shape[0], -1), mask)
     else:
         run = lambda h: branch(h, None, mask)[0]
     if checkpointing and cache is None and callable(getattr(self, "_gradient_checkpointing_func", None)):
@@ -419,9 +419,10 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return [hidden, *out[1:]] if isinstance(out, list) else (hidden, *out[1:])
 
 
-def _packed_documents(branch: nn.Module, x: Tensor, starts: Tensor) -> Tensor:
+def _packed_documents(branch: nn.Module, x: Tensor, starts: Tensor, mask: Tensor | None = None) -> Tensor:
     """The branch over packed rows, each document from the initial memory: documents are gathered into a
-    right-padded batch ``(documents, longest, D)`` with a store mask, run in one call, and scattered back."""
+    right-padded batch ``(documents, longest, D)`` with a store mask, run in one call, and scattered back. ``mask``
+    (B, T): the rows' own padding (a pad belongs to the document before it and is never stored)."""
     b, t, d = x.shape
     doc = starts.long().cumsum(1) - 1  # document index within its row
     per_row = doc[:, -1] + 1
@@ -431,7 +432,8 @@ def _packed_documents(branch: nn.Module, x: Tensor, starts: Tensor) -> Tensor:
     n_docs, longest = int(per_row.sum()), int(offset.max()) + 1  # host syncs: the batch shape
     slot = ((doc + first[:, None]) * longest + offset).reshape(-1)
     xs = x.new_zeros(n_docs * longest, d).index_copy(0, slot, x.reshape(-1, d))
-    keep = x.new_zeros(n_docs * longest).index_fill_(0, slot, 1.0)
+    keep = x.new_zeros(n_docs * longest)
+    keep = keep.index_fill_(0, slot, 1.0) if mask is None else keep.index_copy_(0, slot, mask.reshape(-1).to(x.dtype))
     delta, _ = branch(xs.view(n_docs, longest, d), None, keep.view(n_docs, longest))
     return delta.reshape(-1, d).index_select(0, slot).view(b, t, d)
 

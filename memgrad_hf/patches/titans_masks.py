@@ -8,7 +8,7 @@ The mask may come in three forms, all handled:
 - 2-D ``(B, past + T)`` ones and zeros, as users and collators pass it;
 - 4-D ``(B, 1, T, keys)`` boolean or additive, as ``generate`` builds it for a static cache and as packing collators
   pass it: token ``i`` is real iff it may attend to itself (key column ``past + i``), and starts a document iff it
-  may not attend to token ``i - 1``;
+  may not attend to the real token before it;
 - a dict of 4-D masks by layer type (models with ``layer_types``): the full-attention one is read.
 """
 
@@ -60,18 +60,19 @@ def masks_from_4d(mask: Tensor, past: int) -> tuple[Tensor | None, Tensor | None
     rows = torch.arange(t, device=mask.device)
     m = mask[:, 0]
     visible = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2  # additive: 0 (or a bias) / min
-
-    def sees(cols: Tensor, r: Tensor = rows) -> Tensor:
-        return visible[:, r, cols]
-
-    real = sees(past + rows)
-    if not bool(real.all()):
-        return real, None  # padding: its own rows say nothing about documents
+    real = visible[:, rows, past + rows]
     if t < 2:
-        return None, None
-    starts = torch.ones_like(real)
-    starts[:, 1:] = ~sees(past + rows[1:] - 1, rows[1:])
-    return None, (starts if bool(starts[:, 1:].any()) else None)
+        return (None if bool(real.all()) else real), None
+    # a real token starts a document iff it may not attend to the real token before it (pads skipped: a padded row
+    # of packed documents still separates them); the first real token of a row continues what the row began, as
+    # on the 2-D mask path (left padding is not a document boundary)
+    idx = rows.expand_as(real)
+    prev = torch.cummax(torch.where(real, idx, -1), 1).values  # the last real token at or before i
+    prev = torch.cat([prev.new_full((prev.shape[0], 1), -1), prev[:, :-1]], 1)
+    sees_prev = visible.gather(2, (past + prev.clamp(min=0)).unsqueeze(2)).squeeze(2)
+    starts = real & (prev >= 0) & ~sees_prev
+    starts[:, 0] = True
+    return (None if bool(real.all()) else real), (starts if bool(starts[:, 1:].any()) else None)
 
 
 def _past_length(cache: Any) -> int:

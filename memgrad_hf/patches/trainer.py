@@ -150,6 +150,7 @@ def hook_trainer_init() -> None:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
+        _warn_titans_dropped(self.model)
         if _is_trl_trainer(self):
             from memgrad_hf.grpo.fused_head import is_memgrad_patched, route_patched_models
             from memgrad_hf.patches import _causal_lm
@@ -162,3 +163,24 @@ def hook_trainer_init() -> None:
 
     __init__._memgrad_route = True  # type: ignore[attr-defined]
     Trainer.__init__ = __init__
+
+
+def _warn_titans_dropped(model: Any) -> None:
+    """A checkpoint saved with Titans memory (``config.memgrad_titans``) but loaded without it, by a plain
+    ``from_pretrained`` (TRL's ``model="path"`` does that): the Trainer would train it without its memory and save a
+    checkpoint whose config promises memory weights it does not hold. Said at the Trainer's creation."""
+    from memgrad_hf.patches import _causal_lm
+    from memgrad_hf.patches.titans import CONFIG_ATTR, is_titans_patched
+
+    if not isinstance(model, nn.Module):
+        return
+    base = _causal_lm(model)
+    config = getattr(base, "config", None)
+    if getattr(config, CONFIG_ATTR, None) is None or is_titans_patched(base):
+        return
+    logger.warning(
+        "memgrad_hf: the model '%s' was saved with Titans memory (config.memgrad_titans) but is loaded without it (a "
+        "plain from_pretrained, e.g. a TRL trainer given a path, drops the memory): it will train without its memory "
+        "and save a checkpoint that memgrad_hf.titans.from_pretrained cannot load. Load it with "
+        "memgrad_hf.titans.from_pretrained(path) and pass the model to the trainer; to train the model without "
+        "memory, delete config.memgrad_titans first.", getattr(config, "_name_or_path", "") or type(base).__name__)

@@ -356,6 +356,22 @@ def test_memory_added_to_a_peft_model_warns_that_peft_will_not_save_it(caplog):
     assert "modules_to_save=['titans_memory']" in caplog.text and "save_titans" in caplog.text
 
 
+def test_a_trainer_warns_about_a_titans_checkpoint_loaded_without_its_memory(tmp_path, caplog):
+    # TRL's trainers load model="path" with a plain from_pretrained: the memory was dropped without a word, and the
+    # saved result then failed to load with memgrad_hf.titans.from_pretrained
+    from transformers import Trainer, TrainingArguments
+
+    model = memgrad_hf.patch_model(tiny_model("llama"), head=False, titans=TitansConfig(layers=[-1], **CFG))
+    model.save_pretrained(tmp_path)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none")
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        Trainer(model=from_pretrained(tmp_path), args=args)
+        assert "loaded without it" not in caplog.text
+        Trainer(model=AutoModelForCausalLM.from_pretrained(tmp_path), args=args)
+    assert "saved with Titans memory (config.memgrad_titans) but is loaded without it" in caplog.text
+    assert "memgrad_hf.titans.from_pretrained(path)" in caplog.text
+
+
 def test_save_pretrained_round_trip_and_plain_transformers_load(tmp_path):
     model = tiny_model("llama").eval()
     ids = _ids()
@@ -553,6 +569,34 @@ def test_4d_masks_keep_padding_out_and_restart_the_memory_per_document(additive)
         other[mask == 0] = 17
         a, b = (model(x, attention_mask=four_d, use_cache=False).logits for x in (ids, other))
         assert torch.allclose(a[mask == 1], b[mask == 1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_4d_masks_restart_the_memory_per_document_in_a_batch_with_padding(additive):
+    # a packing collator pads rows to one length: one padded row used to switch the document restarts off for the
+    # whole batch (the memory then ran on from one document into the next)
+    model = _activate(_patched("llama", layers=(0, 1)))
+    rows = [(9, 7), (5, 6)]  # the second row ends in 5 pads
+    docs = [_ids(1, n, seed=20 + i)[0] for i, n in enumerate(sum(rows, ()))]
+    t = sum(rows[0])
+    ids = torch.zeros(2, t, dtype=torch.long)
+    keys = torch.zeros(2, 1, t, t, dtype=torch.bool)
+    k = 0
+    for r, lengths in enumerate(rows):
+        n = sum(lengths)
+        ids[r, :n] = torch.cat(docs[k:k + len(lengths)])
+        keys[r, :, :n, :n] = _block_causal(lengths)[0]
+        k += len(lengths)
+    four_d = torch.zeros(keys.shape).masked_fill(~keys, torch.finfo(torch.float32).min) if additive else keys
+    with torch.no_grad():
+        out = model(ids, attention_mask=four_d, use_cache=False).logits
+        k = 0
+        for r, lengths in enumerate(rows):
+            s = 0
+            for n in lengths:
+                alone = model(docs[k][None], use_cache=False).logits[0]
+                assert torch.allclose(out[r, s:s + n], alone, atol=1e-5, rtol=0), (r, n)
+                s, k = s + n, k + 1
 
 
 def test_padding_content_never_reaches_the_memory():
