@@ -9,6 +9,7 @@ this process (each run builds a fresh Trainer).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -16,7 +17,8 @@ import time
 
 import torch
 
-from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions
+from benchmarks.harness import Case, _warm_libraries, machine, peak_added_mib, time_interleaved, versions
+from memgrad_hf import memory
 
 CONFIGS = {
     "adamw_torch": dict(optim="adamw_torch"),
@@ -74,6 +76,8 @@ CONFIGS = {
     "forge_lion+split+compile": dict(optim="forge_lion", optim_args="kernel=split", torch_compile=True),
     "forge_adamw+bf16_state+compile": dict(optim="forge_adamw", optim_args="state_dtype=bf16", torch_compile=True),
     "forge_lion+8bit_state+compile": dict(optim="forge_lion", optim_args="state_dtype=8bit", torch_compile=True),
+    "forge_lion+8bit_state+split+compile": dict(optim="forge_lion", optim_args="state_dtype=8bit,kernel=split",
+                                                torch_compile=True),
 }
 
 
@@ -110,6 +114,13 @@ def setup(device: str, config: str, hidden: int, layers: int, vocab: int, batch:
 
 
 STEP_TIMES: dict[str, list[float]] = {}  # config -> seconds of every step after each run's first (timing runs)
+# --in-process-memory (GPU): config -> peak MiB the first timing run added over what was allocated when it began
+PEAK_IN_RUN: dict[str, float] = {}
+
+
+def _setup_measured(**kw) -> dict:
+    """:func:`setup` for ``--in-process-memory``: the run reads its own peak."""
+    return {**setup(**kw), "measure_memory": True}
 
 
 def _step_profiler(config: str, device: str, last_step: int, host: bool = False):
@@ -191,7 +202,16 @@ def run(s: dict) -> None:
         t.add_callback(_step_profiler(s["config"], s["device"], s["steps"]))
     if s.get("host_profile"):
         t.add_callback(_step_profiler(s["config"], s["device"], s["steps"], host=True))
+    measure = s.get("measure_memory") and s["config"] not in PEAK_IN_RUN
+    if measure:
+        gc.collect()
+        if s["device"].startswith("cuda"):
+            torch.cuda.synchronize()
+        base = memory.current_bytes(s["device"])
+        memory.reset_peak(s["device"])
     t.train()
+    if measure:
+        PEAK_IN_RUN[s["config"]] = (memory.peak_bytes(s["device"]) - base) / memory.MiB
     opt = getattr(t.optimizer, "optimizer", t.optimizer)
     if hasattr(opt, "detach"):
         opt.detach()  # the next run's Trainer builds its own optimizer
@@ -215,22 +235,34 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the table, run each configuration once more and profile its last step")
     p.add_argument("--host-profile", action="store_true",
                    help="after the table, run each configuration once more and cProfile its last step (host time)")
+    p.add_argument("--in-process-memory", action="store_true",
+                   help="GPU: read each configuration's peak memory (the allocator's counters) during its first "
+                        "timing run instead of in a fresh process first; a configuration under torch.compile then "
+                        "compiles once instead of twice (~60 s each at ~1B)")
     a = p.parse_args(argv)
+    if a.in_process_memory and not a.device.startswith("cuda"):
+        p.error("--in-process-memory needs a GPU's allocator counters (on CPU peak RSS only grows: fresh processes)")
     torch.set_num_threads(a.threads)
     kw = dict(hidden=a.hidden, layers=a.layers, vocab=a.vocab, batch=a.batch, seq=a.seq, steps=a.steps, bf16=a.bf16)
-    cases = [Case(c, setup, run, dict(config=c, **kw)) for c in a.configs]
+    cases = [Case(c, _setup_measured if a.in_process_memory else setup, run, dict(config=c, **kw))
+             for c in a.configs]
     with torch.device("meta"):
         n_params = sum(p.numel() for p in setup("meta", a.configs[0], **{**kw, "steps": 0})["model"].parameters())
     print(f"# Trainer, Llama-style {n_params / 1e6:.1f}M params, {a.steps} steps of {a.batch}x{a.seq} tokens, "
           f"{'bf16' if a.bf16 else 'fp32'} weights, {a.device}")
     print(f"# {machine(a.device)}; {versions()}\n")
     mem = {}
-    for c in cases:  # printed as measured: a run stopped by its time limit still reports these
-        mem[c.name] = m = peak_added_mib(c, a.device, a.threads)
-        print(f"# peak added, {c.name}: " + (f"{m['added_mib']:.0f} MiB" if m["ok"] else str(m.get("error"))),
-              flush=True)
+    if a.in_process_memory:
+        _warm_libraries(a.device)  # cuBLAS's workspaces exist before the first configuration's peak is read
+    else:
+        for c in cases:  # printed as measured: a run stopped by its time limit still reports these
+            mem[c.name] = m = peak_added_mib(c, a.device, a.threads)
+            print(f"# peak added, {c.name}: " + (f"{m['added_mib']:.0f} MiB" if m["ok"] else str(m.get("error"))),
+                  flush=True)
     # one model alive at a time (steps are timed inside each run, set-up is not)
     time_interleaved(cases, a.device, repeats=a.repeats, warmup=0, lazy=True)
+    for name, mib in PEAK_IN_RUN.items():
+        mem[name] = {"ok": True, "added_mib": mib}
     # the reference: adamw_torch, else (GPU runs) adamw_torch_fused
     ref = next((r for r in ("adamw_torch", "adamw_torch_fused") if r in a.configs), "adamw_torch")
     base_m = mem.get(ref)
@@ -238,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| optimizer | peak added (MiB) | vs {ref} | s/step (min / median) | vs {ref} |")
     print("|---|---:|---:|---:|---:|")
     for c in cases:
-        m, t = mem[c.name], STEP_TIMES.get(c.name)
+        m, t = mem.get(c.name, {"ok": False, "error": "no run finished"}), STEP_TIMES.get(c.name)
         if not m["ok"] or not t:
             print(f"| {c.name} | — | | {m.get('error') if not m['ok'] else 'no timed step'} | |")
             continue

@@ -48,11 +48,14 @@ for part in $parts; do
     next)  # the next session's call (after run H), < 9.5 minutes in all. Run H measured compiled forge_lion with
       # 8-bit state at 0.42x adamw_torch_fused's memory and 1.03x its median time over 4 timed steps, against a stock
       # step that spread from 60 to 82 ms: time it again with 10 steps (is it 1.03x, or within the noise of 0.9x?),
-      # next to compiled stock (what compile alone buys); each compiled configuration costs ~60 s of compilation in
-      # its memory process and again in the timing one. Then the Titans twin check that run H's 50 s limit cut short.
+      # next to compiled stock (what compile alone buys) and to kernel=split (cuBLAS dW tiles: once compiled, is the
+      # step device-bound, where the fused kernel's ~75-118 µs per 2048 x 2048 layer is the cost?). Peak memory is
+      # read in the timing run (--in-process-memory): each compiled configuration compiles once, not twice (~60 s
+      # each). Then the Titans twin check that run H's 50 s limit cut short.
       timeout -k 5 330 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
-        --batch 1 --seq 1024 --steps 10 --repeats 1 --configs adamw_torch_fused adamw_torch_fused+compile \
-        forge_lion+8bit_state+compile 2>&1 | tee "$out/forge-compile.md" || status=1
+        --batch 1 --seq 1024 --steps 10 --repeats 1 --in-process-memory --configs adamw_torch_fused \
+        adamw_torch_fused+compile forge_lion+8bit_state+compile forge_lion+8bit_state+split+compile 2>&1 \
+        | tee "$out/forge-compile.md" || status=1
       timeout -k 5 90 python tests/titans/_triton_twin_check.py cuda 2>&1 | tee "$out/checks.md" || status=1
       timeout -k 5 110 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion+8bit_state+head \
