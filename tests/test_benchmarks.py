@@ -44,7 +44,7 @@ def test_bench_head_memory_runs_through_the_cli(capsys, tmp_path):
 
 
 def test_bench_compat_reports_exact_for_known_families(capsys):
-    rc = cli.main(["bench", "compat", "llama", "gemma2", "bart", "prophetnet"])
+    rc = cli.main(["bench", "compat", "--timeout", "600", "llama", "gemma2", "bart", "prophetnet"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| llama | exact |" in out and "| gemma2 | exact |" in out
@@ -54,7 +54,7 @@ def test_bench_compat_reports_exact_for_known_families(capsys):
 
 def test_bench_compat_bf16_compares_in_the_models_dtype(capsys):
     # bart's decoder computes its own cross-entropy on bf16 logits: the loss must come back in bf16, as stock's does
-    rc = cli.main(["bench", "compat", "--bf16", "llama", "bart"])
+    rc = cli.main(["bench", "compat", "--timeout", "600", "--bf16", "llama", "bart"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| llama | close | LlamaForCausalLM (loss torch.float32 vs stock's torch.float32" in out
@@ -64,7 +64,7 @@ def test_bench_compat_bf16_compares_in_the_models_dtype(capsys):
 def test_bench_compat_logprobs_checks_the_fused_head(capsys, monkeypatch):
     # big_bird changes its attention type on its first call: the reference must be a first call too; prophetnet
     # returns the first of its n-gram streams as its logits (a select on the probe: the hidden states are selected so)
-    rc = cli.main(["bench", "compat", "--logprobs", "llama", "big_bird", "prophetnet"])
+    rc = cli.main(["bench", "compat", "--timeout", "600", "--logprobs", "llama", "big_bird", "prophetnet"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| llama | exact |" in out and "| big_bird | exact |" in out and "| prophetnet | exact |" in out
@@ -75,7 +75,7 @@ def test_bench_compat_logprobs_checks_the_fused_head(capsys, monkeypatch):
 
     monkeypatch.setattr(memgrad_hf.grpo, "add_fused_lm_head",
                         functools.partial(memgrad_hf.grpo.add_fused_lm_head, temperature=0.9))
-    assert cli.main(["bench", "compat", "--logprobs", "llama"]) == 1
+    assert cli.main(["bench", "compat", "--timeout", "600", "--logprobs", "llama"]) == 1
     assert "| llama | MISMATCH |" in capsys.readouterr().out
 
 
@@ -169,7 +169,7 @@ def test_bench_grpo_step_runs_through_the_cli(capsys):
 
 
 def test_bench_compat_titans_checks_the_injection(capsys):
-    rc = cli.main(["bench", "compat", "--titans", "llama", "mamba"])
+    rc = cli.main(["bench", "compat", "--timeout", "600", "--titans", "llama", "mamba"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| llama | exact |" in out
@@ -178,14 +178,14 @@ def test_bench_compat_titans_checks_the_injection(capsys):
 
 def test_bench_compat_titans_in_bf16(capsys):
     # mamba keeps an fp32 residual stream in a bf16 model: the memory branch runs in its own dtype
-    rc = cli.main(["bench", "compat", "--titans", "--bf16", "llama", "mamba"])
+    rc = cli.main(["bench", "compat", "--timeout", "600", "--titans", "--bf16", "llama", "mamba"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| llama | close |" in out and "| mamba | close, uncached |" in out
 
 
 def test_bench_compat_forge_steps_like_torch_adamw(capsys, monkeypatch):
-    rc = cli.main(["bench", "compat", "--forge", "llama", "roc_bert"])
+    rc = cli.main(["bench", "compat", "--timeout", "600", "--forge", "llama", "roc_bert"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| llama | exact |" in out and "| roc_bert | exact |" in out  # roc_bert edits a linear output in place
@@ -196,14 +196,14 @@ def test_bench_compat_forge_steps_like_torch_adamw(capsys, monkeypatch):
 
     other_beta = functools.partial(memgrad_hf.optim.ForgeAdamW, betas=(0.8, 0.999))
     monkeypatch.setattr(memgrad_hf.optim, "ForgeAdamW", other_beta)
-    assert cli.main(["bench", "compat", "--forge", "llama"]) == 1
+    assert cli.main(["bench", "compat", "--timeout", "600", "--forge", "llama"]) == 1
     assert "| llama | MISMATCH |" in capsys.readouterr().out
 
 
 def test_bench_compat_forge_in_bf16(capsys, monkeypatch):
     # bf16 weights and state: FORGE rounds once per update where torch's bf16 AdamW rounds after every op, so the
     # updates are compared at 10% where rounding does not decide them (mamba: norm weights and D near 1 do)
-    rc = cli.main(["bench", "compat", "--forge", "--bf16", "llama", "mamba"])
+    rc = cli.main(["bench", "compat", "--timeout", "600", "--forge", "--bf16", "llama", "mamba"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| llama | close |" in out and "| mamba | close |" in out
@@ -215,23 +215,23 @@ def test_bench_compat_forge_in_bf16(capsys, monkeypatch):
         return forge(params, **{**kw, "lr": 2 * kw["lr"]})
 
     monkeypatch.setattr(memgrad_hf.optim, "ForgeAdamW", twice_the_lr)
-    assert cli.main(["bench", "compat", "--forge", "--bf16", "llama"]) == 1
+    assert cli.main(["bench", "compat", "--timeout", "600", "--forge", "--bf16", "llama"]) == 1
     assert "| llama | MISMATCH | the updates differ" in capsys.readouterr().out
 
 
 def test_bench_compat_sweeps_other_model_classes(capsys):
-    rc = cli.main(["bench", "compat", "--task", "masked-lm", "modernbert", "bert"])
+    rc = cli.main(["bench", "compat", "--timeout", "600", "--task", "masked-lm", "modernbert", "bert"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| modernbert | exact | ModernBertForMaskedLM |" in out and "| bert | exact | BertForMaskedLM |" in out
-    rc = cli.main(["bench", "compat", "--forge", "--task", "seq2seq", "t5", "switch_transformers"])
+    rc = cli.main(["bench", "compat", "--timeout", "600", "--forge", "--task", "seq2seq", "t5", "switch_transformers"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| t5 | exact | T5ForConditionalGeneration (patched head;" in out
     # its top-1 router flips on rounding-sized weight changes: stock training is no reference there, and says so
     assert "| switch_transformers | untested | chaotic: stock training from weights moved by 1e-7" in out
     with pytest.raises(SystemExit):  # a classifier has no LM head to check
-        cli.main(["bench", "compat", "--task", "seq-cls", "llama"])
+        cli.main(["bench", "compat", "--timeout", "600", "--task", "seq-cls", "llama"])
 
 
 def test_bench_forge_drift_runs_through_the_cli(capsys):
