@@ -129,17 +129,16 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
             "retries with a smaller batch. Set max_grad_norm > 0 with clip=exact (the norm is measured before any "
             "update, so a failed attempt changes nothing) or a batch size that fits.",
             name, kwargs["max_grad_norm"], kwargs.get("clip", "exact"))
-    if kwargs["max_grad_norm"] > 0:
-        log.warning(
-            "%s: max_grad_norm=%s is applied %s. Set max_grad_norm=0 to skip clipping.",
-            name, kwargs["max_grad_norm"],
-            "approximately: with the previous step's norm (optim_args clip=previous; the first step is not clipped)"
-            if kwargs.get("clip") == "previous"
-            else "exactly (the norm is measured before any update: weight-gradient tiles are kept for the updates "
-                 "where they fit under the peak memory so far, else formed twice; with clip_pass=backward and by "
-                 "default under gradient checkpointing, the whole backward runs twice; optim_args='clip=previous' uses "
-                 "the previous step's norm instead)",
-        )
+    if kwargs["max_grad_norm"] > 0 and kwargs.get("clip") == "previous":  # training differs from stock: warned
+        log.warning("%s: max_grad_norm=%s is applied approximately, with the previous step's norm (optim_args "
+                    "clip=previous; the first step is not clipped). Remove clip=previous for exact clipping, or set "
+                    "max_grad_norm=0 to skip clipping.", name, kwargs["max_grad_norm"])
+    elif kwargs["max_grad_norm"] > 0:  # the Trainer's default, and stock's result: what it costs is information
+        log.info("%s: max_grad_norm=%s is applied exactly (the norm is measured before any update: weight-gradient "
+                 "tiles are kept for the updates where they fit under the peak memory so far, else formed twice; with "
+                 "clip_pass=backward and by default under gradient checkpointing, the whole backward runs twice; "
+                 "optim_args='clip=previous' uses the previous step's norm instead). Set max_grad_norm=0 to skip "
+                 "clipping.", name, kwargs["max_grad_norm"])
     return cls, kwargs
 
 

@@ -763,3 +763,15 @@ def test_an_lr_set_after_backward_in_a_loop_is_warned_about(caplog):
         opt.step()
     assert "lr changed between backward and step()" in caplog.text
     opt.detach()
+
+
+def test_the_default_exact_clipping_is_not_warned_about_and_clip_previous_is(tmp_path, caplog):
+    # every default forge_* run (max_grad_norm=1.0, exact: stock's result) used to log a WARNING
+    model = torch.nn.Linear(4, 4)
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        for optim_args in (None, "clip=previous"):
+            args = TrainingArguments(output_dir=str(tmp_path), optim="forge_adamw", optim_args=optim_args,
+                                     use_cpu=True, report_to="none")
+            Trainer.get_optimizer_cls_and_kwargs(args, model)
+            assert ("applied approximately" in caplog.text) == (optim_args is not None), caplog.text
+    assert "applied exactly" not in caplog.text
