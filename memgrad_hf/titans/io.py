@@ -16,6 +16,7 @@ memory in a separate ``memgrad_titans.safetensors`` (config in its metadata).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from contextlib import contextmanager
@@ -25,6 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from memgrad_hf.titans.config import TitansConfig
+
+logger = logging.getLogger(__name__)
 
 TITANS_WEIGHTS_NAME = "memgrad_titans.safetensors"
 _KEY = re.compile(r"(?:^|\.)(\d+)\.titans_memory\.(.+)$")
@@ -149,7 +152,8 @@ def load_titans(model: nn.Module, path: str | os.PathLike, **hub_kwargs: Any) ->
 
     base = _base(model)
     tensors, meta_config = _read_titans(_checkpoint_files(os.fspath(path), hub_kwargs))
-    if not is_titans_patched(base):
+    patched_before = is_titans_patched(base)
+    if not patched_before:
         saved = getattr(getattr(base, "config", None), CONFIG_ATTR, None) or meta_config
         if saved is None:
             raise ValueError(
@@ -179,7 +183,53 @@ def load_titans(model: nn.Module, path: str | os.PathLike, **hub_kwargs: Any) ->
                 raise ValueError(f"load_titans: {key} has shape {tuple(value.shape)} in the checkpoint, "
                                  f"{tuple(param.shape)} in the model.")
             param.copy_(value)
+    if patched_before:
+        _take_saved_mode(base, meta_config or _config_json_titans(os.fspath(path), hub_kwargs), os.fspath(path))
     return model
+
+
+def _config_json_titans(path: str, hub_kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """``memgrad_titans`` of the ``config.json`` beside a ``save_pretrained`` checkpoint, if any."""
+    if os.path.isfile(path):
+        path = os.path.dirname(path)
+    local = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        from transformers.utils import cached_file
+
+        local = cached_file(path, "config.json", _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+    if not local or not os.path.isfile(local):
+        return None
+    with open(local) as f:
+        return json.load(f).get(_META_KEY)
+
+
+def _take_saved_mode(base: nn.Module, saved: dict[str, Any] | None, path: str) -> None:
+    """Weights loaded into a model that was already patched: give its memories the gradient they ran with when saved
+    (``grad_impl="fan"`` after a FAN switch) and their FANs' frozen state, as :func:`from_pretrained` does; the
+    model's own settings would compute something else with the saved weights. Other settings that differ are
+    warned about (they are the model's to choose, e.g. a longer ``chunk_size`` for inference)."""
+    from memgrad_hf.patches.titans import _MODEL_ATTR, sync_titans_config, titans_branches
+    from memgrad_hf.titans.memory import NeuralMemory
+
+    if not saved:
+        return
+    memories = [m for b in titans_branches(base).values() for m in b.modules() if isinstance(m, NeuralMemory)]
+    impl, frozen = saved.get("grad_impl"), bool(saved.get("fan_frozen", False))
+    if impl == "fan" and any(m.fan is None for m in memories):
+        raise ValueError(f"load_titans: the checkpoint at {path!r} runs its memories on their FANs (grad_impl='fan'), "
+                         "but the model's memories have none; patch with TitansConfig(..., fan=True).")
+    for m in memories:
+        if impl is not None:
+            m.grad_impl = impl
+        if m.fan is not None:
+            m.fan.requires_grad_(not frozen)
+    sync_titans_config(base)
+    own = getattr(base, _MODEL_ATTR).config.to_dict()
+    differ = sorted(k for k, v in saved.items() if k in own and own[k] != v)
+    if differ:
+        logger.warning("load_titans: the checkpoint at %r was saved with other Titans settings than the model's (%s); "
+                       "the model keeps its own.", path,
+                       ", ".join(f"{k}: saved {saved[k]!r}, model {own[k]!r}" for k in differ))
 
 
 @contextmanager

@@ -241,7 +241,17 @@ def test_callback_on_a_patched_llama_switches_after_an_epoch(tmp_path, epochs, s
     assert {m.grad_impl for m in alone.modules() if isinstance(m, NeuralMemory)} == {"fan"}
     # and the FANs frozen at the switch (freeze_fan_after) come back frozen: they kept training after a reload
     assert model.config.memgrad_titans["fan_frozen"]
-    for reloaded in (from_pretrained(tmp_path / "saved"), alone):
+    # into a model already patched with fan=True (as PEFT needs): the saved gradient and frozen FANs too (it ran the
+    # exact gradient with trainable FANs: logits 0.38 off)
+    into = tiny_model("llama")
+    into.load_state_dict({k: v for k, v in model.state_dict().items() if "titans" not in k}, strict=False)
+    memgrad_hf.patch_model(into, titans=TitansConfig(layers=[0, -1], heads=2, chunk_size=8, fan=True))
+    for source in (tmp_path / "memory", tmp_path / "saved"):  # the memory file's metadata; config.json
+        load_titans(into, source)
+        with torch.no_grad():
+            torch.testing.assert_close(into.eval()(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+        assert into.config.memgrad_titans["grad_impl"] == "fan" and into.config.memgrad_titans["fan_frozen"]
+    for reloaded in (from_pretrained(tmp_path / "saved"), alone, into):
         fans = [m.fan for m in reloaded.modules() if isinstance(m, NeuralMemory)]
         assert fans and not any(q.requires_grad for f in fans for q in f.parameters())
 
