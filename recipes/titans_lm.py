@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     fan_g = p.add_argument_group("FAN")
     fan_g.add_argument("--fan_distill_steps", type=int, default=None,
                        help="distil a FAN for N steps, then use it instead of the exact gradient; 0: no FAN "
-                            "(default: half of --max_steps)")
+                            "(default: half of --max_steps, at least 1)")
     fan_g.add_argument("--fan_distill_epochs", type=float, default=None, help="or switch after this many epochs")
     fan_g.add_argument("--fan_norm_weight", type=float, default=0.1, help="weight of the FAN's log-norm loss term")
     train = p.add_argument_group("training")
@@ -172,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     threads = a.threads or (1 if a.model is None and not torch.cuda.is_available() else None)
     if threads:  # the tiny model's ops are too small to gain from threads; on a busy CPU they lose badly
         torch.set_num_threads(threads)
+    if (a.fan_distill_steps or 0) < 0 or (a.fan_distill_epochs is not None and a.fan_distill_epochs <= 0):
+        p.error("--fan_distill_steps takes N >= 0 (0: no FAN), --fan_distill_epochs a number > 0")
     distill = a.fan_distill_steps if a.fan_distill_steps is not None else (
-        None if a.fan_distill_epochs is not None else a.max_steps // 2)
+        None if a.fan_distill_epochs is not None else max(1, a.max_steps // 2))
     use_fan = a.fan_distill_epochs is not None or bool(distill)
 
     # -- data ------------------------------------------------------------------------------------------------------

@@ -12,15 +12,16 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
-from memgrad_hf.patches.titans import sync_titans_config
+from memgrad_hf.patches.titans import live_memories, sync_titans_config
 from memgrad_hf.titans.memory import NeuralMemory
 
 logger = logging.get_logger(__name__)
 
 
 def fan_memories(model: nn.Module) -> list[NeuralMemory]:
-    """Every :class:`NeuralMemory` in ``model`` that has a FAN (``fan=True``)."""
-    return [m for m in model.modules() if isinstance(m, NeuralMemory) and m.fan is not None]
+    """Every :class:`NeuralMemory` in ``model`` that has a FAN (``fan=True``), but PEFT's frozen originals (they
+    keep the base model's gradient; its trainable copies are distilled and switched)."""
+    return [m for m in live_memories(model) if m.fan is not None]
 
 
 class FANDistillationCallback(TrainerCallback, ExportableState):
@@ -58,12 +59,16 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
 
     def __init__(self, distill_steps: int | None = None, distill_epochs: float | None = None, *,
                  freeze_fan_after: bool = True) -> None:
+        # 0 would switch before the FANs have learned anything (an untrained FAN's gradient); a model saved after
+        # its switch already runs its FAN when loaded, without this callback
         if distill_steps is not None and (not isinstance(distill_steps, int) or isinstance(distill_steps, bool)
-                                          or distill_steps < 0):
-            raise ValueError(f"FANDistillationCallback: distill_steps={distill_steps!r} must be an int >= 0.")
+                                          or distill_steps < 1):
+            raise ValueError(f"FANDistillationCallback: distill_steps={distill_steps!r} must be an int >= 1 (a model "
+                             "loaded after its switch runs its FAN without this callback).")
         if distill_epochs is not None and (not isinstance(distill_epochs, (int, float))
-                                           or not math.isfinite(distill_epochs) or distill_epochs < 0):
-            raise ValueError(f"FANDistillationCallback: distill_epochs={distill_epochs!r} must be a number >= 0.")
+                                           or not math.isfinite(distill_epochs) or distill_epochs <= 0):
+            raise ValueError(f"FANDistillationCallback: distill_epochs={distill_epochs!r} must be a number > 0 (a "
+                             "model loaded after its switch runs its FAN without this callback).")
         self.distill_steps, self.distill_epochs, self.freeze_fan_after = distill_steps, distill_epochs, freeze_fan_after
         self.memories: list[NeuralMemory] = []
         self._model: nn.Module | None = None
@@ -139,6 +144,10 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
         if not self.memories:
             raise ValueError("FANDistillationCallback: the model has no NeuralMemory with a FAN; build the memories "
                              "with fan=True (e.g. patch_model(model, titans=TitansConfig(..., fan=True))).")
+        if getattr(args, "fp16", False):
+            raise ValueError("FANDistillationCallback: fp16=True trains with a GradScaler, which scales the model's "
+                             "loss but not the FANs' distillation loss: unscaling would divide the FANs' gradients by "
+                             "the loss scale (they would barely learn). Use bf16=True, or fp32.")
         if self.freeze_fan_after and getattr(args, "world_size", 1) > 1 and args.ddp_find_unused_parameters is False:
             logger.warning("FANDistillationCallback: the FANs are frozen after the switch and get no gradient; DDP "
                            "with ddp_find_unused_parameters=False will stall. Set it to True.")

@@ -520,6 +520,14 @@ def titans_branches(model: nn.Module) -> dict[int, nn.Module]:
     return {i: getattr(layers[i], BRANCH_ATTR) for i in patch.config.layers}
 
 
+def live_memories(module: nn.Module) -> list[NeuralMemory]:
+    """The :class:`NeuralMemory` modules in ``module`` that run, leaving out the frozen originals PEFT keeps beside
+    its trainable copies (``modules_to_save=["titans_memory"]``: ``...titans_memory.original_module``), which only
+    run under ``disable_adapter()`` and must keep computing what the base model computed."""
+    return [m for name, m in module.named_modules()
+            if isinstance(m, NeuralMemory) and "original_module" not in name.split(".")]
+
+
 def sync_titans_config(model: nn.Module) -> None:
     """Record the memories' current ``grad_impl``, and whether their FANs are frozen, in the model's
     :class:`TitansConfig` (``model.config.memgrad_titans``, which ``save_pretrained`` writes, and the patch's own copy),
@@ -537,7 +545,7 @@ def sync_titans_config(model: nn.Module) -> None:
     patch = getattr(base, _MODEL_ATTR, None)
     if not isinstance(patch, TitansPatch):
         return
-    memories = [m for b in titans_branches(base).values() for m in b.modules() if isinstance(m, NeuralMemory)]
+    memories = [m for b in titans_branches(base).values() for m in live_memories(b)]
     impls = {m.grad_impl for m in memories}
     changes: dict[str, Any] = {}
     if len(impls) == 1 and patch.config.grad_impl not in impls:

@@ -27,6 +27,7 @@ The FAN's parameters get gradients only from that loss.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import torch
@@ -36,6 +37,8 @@ from torch import Tensor, nn
 from memgrad_hf.kernels import titans as K
 
 _EPS = 1e-12
+_FP16_WARNED: list[bool] = []  # said once per process
+logger = logging.getLogger(__name__)
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -200,6 +203,17 @@ class FAN(nn.Module):
         if attach_to is None:
             return None
         return attach_loss(attach_to, loss, self.loss_coef / self.accumulation_steps)
+
+    def check_autocast(self, device_type: str) -> None:
+        """Warn (once per process) when distillation runs under fp16 autocast, i.e. with a loss scaler."""
+        if _FP16_WARNED or not (torch.is_autocast_enabled(device_type)
+                                and torch.get_autocast_dtype(device_type) == torch.float16):
+            return
+        _FP16_WARNED.append(True)
+        logger.warning("FAN distillation under fp16 autocast: a GradScaler scales the model's loss but not the FAN's "
+                       "distillation loss (its gradient is the fixed loss_coef), so unscaling divides the FAN's "
+                       "gradient by the loss scale and it barely learns. Distil under bf16 autocast (no scaler) or in "
+                       "fp32.")
 
     @property
     def cosine(self) -> float:

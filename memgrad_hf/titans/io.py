@@ -208,12 +208,11 @@ def _take_saved_mode(base: nn.Module, saved: dict[str, Any] | None, path: str) -
     (``grad_impl="fan"`` after a FAN switch) and their FANs' frozen state, as :func:`from_pretrained` does; the
     model's own settings would compute something else with the saved weights. Other settings that differ are
     warned about (they are the model's to choose, e.g. a longer ``chunk_size`` for inference)."""
-    from memgrad_hf.patches.titans import _MODEL_ATTR, sync_titans_config, titans_branches
-    from memgrad_hf.titans.memory import NeuralMemory
+    from memgrad_hf.patches.titans import _MODEL_ATTR, live_memories, sync_titans_config, titans_branches
 
     if not saved:
         return
-    memories = [m for b in titans_branches(base).values() for m in b.modules() if isinstance(m, NeuralMemory)]
+    memories = [m for b in titans_branches(base).values() for m in live_memories(b)]
     impl, frozen = saved.get("grad_impl"), bool(saved.get("fan_frozen", False))
     if impl == "fan" and any(m.fan is None for m in memories):
         raise ValueError(f"load_titans: the checkpoint at {path!r} runs its memories on their FANs (grad_impl='fan'), "

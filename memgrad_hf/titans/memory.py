@@ -19,6 +19,7 @@ memory and momentum as they were. Nothing a masked token holds reaches any other
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, replace
 
@@ -28,6 +29,8 @@ from torch import Tensor, nn
 
 from memgrad_hf.kernels import titans as K
 from memgrad_hf.kernels import titans_step_impl
+
+logger = logging.getLogger(__name__)
 
 GRAD_IMPLS = ("manual", "autograd", "fan")
 
@@ -175,6 +178,7 @@ class NeuralMemory(nn.Module):
 
             self.fan = FAN(dim_head, widths[1:])
         self.exact_grad_calls = 0
+        self._idle_fan_warned = False  # (a FAN neither distilled nor used: said once per memory)
         self.grad_impl = grad_impl  # validated by the setter
 
     @property
@@ -223,9 +227,17 @@ class NeuralMemory(nn.Module):
         self.exact_grad_calls += 1
         step = titans_step_impl(k.device) if self._grad_impl == "manual" else K.memory_step_autograd
         grads, dgamma, retrieved, _ = step(list(weights), gamma, k, v, lr, q, self.activation, return_loss=False)
-        if self.fan is not None and self.fan.distilling and self.training and torch.is_grad_enabled():
-            # The FAN learns from this exact gradient; its loss rides on the retrieval's backward (values unchanged).
-            retrieved = self.fan.observe(weights, gamma, k, v, lr, grads, self.activation, attach_to=retrieved)
+        if self.fan is not None and self.training and torch.is_grad_enabled():
+            if self.fan.distilling:
+                # the FAN learns from this exact gradient; its loss rides on the retrieval's backward
+                retrieved = self.fan.observe(weights, gamma, k, v, lr, grads, self.activation, attach_to=retrieved)
+            elif not getattr(self, "_idle_fan_warned", False) and any(p.requires_grad for p in self.fan.parameters()):
+                self._idle_fan_warned = True
+                logger.warning(
+                    "NeuralMemory(fan=True) trains with the exact gradient while its FAN is neither distilled nor "
+                    "used: the FAN's parameters are trainable but get no gradient (DDP: unused parameters). Pass "
+                    "memgrad_hf.callbacks.FANDistillationCallback(distill_steps=N) to the Trainer (or set "
+                    "mem.fan.distilling = True in your own loop), or build the memory without fan=True.")
         return grads, dgamma, retrieved
 
     def forward(self, x: Tensor, state: NeuralMemState | None = None, mask: Tensor | None = None,
@@ -233,6 +245,8 @@ class NeuralMemory(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"NeuralMemory: expected x of shape (batch, tokens, {self.dim}); got {tuple(x.shape)}.")
         b, t, _ = x.shape
+        if self.fan is not None and self.fan.distilling and self.training:
+            self.fan.check_autocast(x.device.type)
         if mask is not None and tuple(mask.shape) != (b, t):
             raise ValueError(f"NeuralMemory: mask must have shape (batch, tokens) = {(b, t)}; got {tuple(mask.shape)}.")
         if state is None:

@@ -147,9 +147,32 @@ def test_fan_and_callback_errors():
         FAN(16, [64, 16]).predict([torch.randn(16, 16)], torch.zeros(16), *_chunk()[:2], _chunk()[3])
     with pytest.raises(ValueError, match="fan=True"):
         FANDistillationCallback(distill_steps=1).on_train_begin(None, None, None, model=NeuralMemory(16))
-    for kw in ({"distill_steps": "3"}, {"distill_epochs": float("nan")}):  # ('<' not supported; never switched)
+    # 0 switched at once to an untrained FAN, silently
+    for kw in ({"distill_steps": "3"}, {"distill_epochs": float("nan")}, {"distill_steps": 0}, {"distill_epochs": 0}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             FANDistillationCallback(**kw)
+
+
+def test_fp16_distillation_is_refused_and_an_idle_fan_is_warned_about(caplog):
+    import logging
+    import types
+
+    from memgrad_hf.callbacks import FANDistillationCallback
+
+    # a GradScaler would divide the FAN's fixed-coefficient gradient by the loss scale (65536x smaller with SGD)
+    with pytest.raises(ValueError, match="bf16=True"):
+        FANDistillationCallback(distill_steps=1).on_train_begin(types.SimpleNamespace(fp16=True), None, None,
+                                                                model=NeuralMemory(16, fan=True))
+    mem = NeuralMemory(16, heads=2, chunk_size=4, fan=True).train()
+    x = torch.randn(1, 8, 16)
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        mem(x)  # fan=True, trainable, neither distilled nor used: its parameters never get a gradient
+        assert caplog.text.count("neither distilled nor used") == 1
+        mem(x)
+        mem.fan.distilling = True
+        with torch.autocast("cpu", dtype=torch.float16):
+            mem(x)
+    assert caplog.text.count("neither distilled nor used") == 1 and "under fp16 autocast" in caplog.text
 
 
 # -- Trainer ----------------------------------------------------------------------------------------------------------
@@ -359,3 +382,29 @@ def test_distillation_under_gradient_accumulation_is_the_mean_over_micro_batches
     assert min(moved) > 1e-4  # the step did train the FAN
     for (name, a), b in zip(trained[0].named_parameters(), trained[1].parameters(), strict=True):
         assert rel_err(a, b) < 1e-5, name
+
+
+def test_with_peft_only_the_trainable_copy_is_distilled_and_switched(tmp_path):
+    # PEFT's modules_to_save keeps the frozen original memory beside its trainable copy: the callback made the
+    # original's FAN trainable (into the optimizer) and switched it to its untrained FAN, so disable_adapter() no
+    # longer computed the base model
+    from peft import LoraConfig, get_peft_model
+
+    import memgrad_hf
+    from memgrad_hf.callbacks import FANDistillationCallback
+    from memgrad_hf.titans import TitansConfig
+    from tests.tiny_models import tiny_model
+
+    model = memgrad_hf.patch_model(tiny_model("llama"), head=False,
+                                   titans=TitansConfig(layers=[-1], heads=2, chunk_size=8, fan=True))
+    pm = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["titans_memory"]))
+    (original, copy), names = zip(*[(m, n) for n, m in pm.named_modules() if isinstance(m, NeuralMemory)],
+                                  strict=True)
+    assert "original_module" in names[0] and "modules_to_save" in names[1]
+    cb = FANDistillationCallback(distill_steps=1)
+    trainer = _trainer(pm, cb, 2, tmp_path)
+    trainer.train()
+    assert cb.memories == [copy] and copy.grad_impl == "fan" and original.grad_impl == "manual"
+    held = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert not any(id(p) in held or p.requires_grad for p in original.fan.parameters())
+    assert model.config.memgrad_titans["grad_impl"] == "fan"  # what a merged model saves
