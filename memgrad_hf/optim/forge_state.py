@@ -63,12 +63,22 @@ class StateCheckpointing:
         for group in state_dict.get("param_groups", ()):  # e.g. a torch AdamW's, saved with amsgrad=True
             check_torch_options(name, {k: v for k, v in group.items() if k in RESULT_OPTIONS})
         needed = set(K.RULES[self.rule][1])
+        sgd = self.rule.startswith("sgd")  # (its momentum buffer appears once momentum is on)
+        kept = needed | ({"momentum_buffer"} if sgd else set())
+        allowed = {"step"} | kept | {f"{n}.scale" for n in kept}
         for saved in state_dict.get("state", {}).values():
-            if saved and not self.rule.startswith("sgd") and not needed <= set(saved):
+            if saved and ((not sgd and not needed <= set(saved)) or not set(saved) <= allowed):
                 raise ValueError(
                     f"{name}.load_state_dict: the saved state holds {sorted(k for k in saved if k != 'step')} per "
-                    f"parameter, not the {sorted(needed)} this optimizer keeps: it was saved by another optimizer "
-                    "(e.g. Lion's state loaded into AdamW)."
+                    f"parameter, not the {sorted(kept)} this optimizer keeps: it was saved by another optimizer "
+                    "(e.g. Lion's state loaded into AdamW, or AdamW's into Lion)."
+                )
+        hyper = {k for g in self.param_groups for k in g if k != "params"}
+        for group in state_dict.get("param_groups", ()):
+            if hyper - set(group):  # e.g. SGD's momentum: the update would fail inside the next backward
+                raise ValueError(
+                    f"{name}.load_state_dict: the saved parameter groups lack {sorted(hyper - set(group))}, which "
+                    f"{name} needs: they were saved by another optimizer."
                 )
         super().load_state_dict(state_dict)
         self._plans = {}  # they point at the state tensors just replaced

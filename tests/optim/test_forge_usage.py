@@ -644,8 +644,22 @@ def test_options_that_change_the_result_are_refused_however_they_arrive():
     lion.step()
     with pytest.raises(ValueError, match="another optimizer"):
         opt.load_state_dict(lion.state_dict())
+    # the other way round Lion kept AdamW's second moment as dead state, which it saved again (a later AdamW took it
+    # as its own); SGD took AdamW's groups and failed with KeyError 'momentum' inside the next backward
+    from memgrad_hf.optim import ForgeSGD
+
+    lion_model(input_ids=ids, labels=ids).loss.backward()  # (lion: a second step, opt: a first, with state)
     lion.detach()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    with pytest.raises(ValueError, match="another optimizer"):
+        lion.load_state_dict(opt.state_dict())
     opt.detach()
+    sgd = ForgeSGD(lion_model.parameters(), model=lion_model, momentum=0.9)
+    for saved in (opt.state_dict(), {"state": {}, "param_groups": opt.state_dict()["param_groups"]}):
+        with pytest.raises(ValueError, match="another optimizer"):
+            sgd.load_state_dict(saved)
+    sgd.detach()
     emb = nn.Embedding(10, 4, sparse=True)
     sparse_opt = ForgeAdamW(emb.parameters(), model=emb)
     with pytest.raises(RuntimeError, match="sparse gradients"):
