@@ -244,28 +244,44 @@ def _cache_path(variant: tuple) -> Path:
     return root / "forge_aot" / f"{'-'.join(map(str, variant[:2]))}-{tag.hexdigest()[:20]}.pt2"
 
 
+def _build_cached(variant: tuple, path: Path) -> None:
+    """Build ``variant`` into ``path`` in a child process (the compiler's memory never lands in this one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("memgrad_hf: compiling the FORGE CPU update %s once (cached in %s)", variant, path.parent)
+    fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
+    os.close(fd)
+    try:
+        # the child imports this package from where the parent found it, installed or not
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[2]), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        res = subprocess.run([sys.executable, "-m", "memgrad_hf.kernels.forge_compiled", json.dumps(variant), tmp],
+                             capture_output=True, text=True, env=env)
+        if res.returncode != 0:
+            logger.debug("memgrad_hf: the FORGE CPU update's build said:\n%s", res.stderr[-4000:])
+            lines = res.stderr.strip().splitlines()  # the last line is the error; the rest, its traceback
+            raise RuntimeError(f"building the compiled update failed: {lines[-1] if lines else res.returncode}")
+        os.chmod(tmp, 0o644)  # (mkstemp's 0600 would keep a shared cache directory's entries from other users)
+        os.replace(tmp, path)  # atomic: concurrent builders each write their own file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def _runner(variant: tuple):
     runner = _RUNNERS.get(variant)
     if runner is None:
         path = _cache_path(variant)
         if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            logger.info("memgrad_hf: compiling the FORGE CPU update %s once (cached in %s)", variant, path.parent)
-            fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
-            os.close(fd)
-            try:
-                # the child imports this package from where the parent found it, installed or not
-                env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-                    [str(Path(__file__).resolve().parents[2]), *filter(None, [os.environ.get("PYTHONPATH")])])}
-                res = subprocess.run([sys.executable, "-m", "memgrad_hf.kernels.forge_compiled", json.dumps(variant),
-                                      tmp], capture_output=True, text=True, env=env)
-                if res.returncode != 0:
-                    raise RuntimeError(f"building the compiled update failed: {res.stderr.strip()[-2000:]}")
-                os.replace(tmp, path)  # atomic: concurrent builders each write their own file
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        runner = _RUNNERS[variant] = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+            _build_cached(variant, path)
+        try:
+            runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        except Exception as e:  # a damaged cache entry (a truncated copy, a full disk): built again, once
+            logger.warning("memgrad_hf: the cached FORGE CPU update %s could not be loaded (%s); building it again.",
+                           path, str(e).strip().splitlines()[-1] if str(e).strip() else repr(e))
+            path.unlink(missing_ok=True)
+            _build_cached(variant, path)
+            runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        _RUNNERS[variant] = runner
     return runner
 
 
@@ -280,7 +296,8 @@ def apply_rows(rule: str, p: Tensor, g: Tensor, st: dict[str, Tensor], hp: dict[
     except Exception as e:  # a compiler or platform problem, before anything is written
         _FAILED.append(repr(e))
         logger.warning("memgrad_hf: the compiled FORGE CPU update is unavailable (%s); using the slower eager path. "
-                       "Set MEMGRAD_COMPILE=0 to skip the attempt.", str(e).splitlines()[0] if str(e) else repr(e))
+                       "Set MEMGRAD_COMPILE=0 to skip the attempt.", str(e).strip().splitlines()[-1] if str(e).strip()
+                       else repr(e))
         return False
     keys = torch.tensor([K._as_int32(K.noise_key(seeds[n]) + offset) for n in ("p", *names)], dtype=torch.int32)
     g = g if g.dtype == torch.float32 else g.float()

@@ -100,3 +100,42 @@ def test_a_failed_compile_falls_back_to_eager_with_a_warning(monkeypatch, caplog
     monkeypatch.setenv("MEMGRAD_COMPILE", "0")
     K.apply_rule("lion", p_e, g, st_e, hp, 1)
     assert torch.equal(p_f, p_e) and torch.equal(st_f["exp_avg"], st_e["exp_avg"])
+
+
+def test_a_damaged_cache_entry_is_built_again_and_a_failed_build_names_its_error(monkeypatch, tmp_path, caplog):
+    # a corrupt .pt2 warned in every process (without its path) and was never rebuilt; a failed build's warning
+    # showed a random line of the traceback's tail instead of the error
+    import types
+
+    monkeypatch.setenv("MEMGRAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(C, "_RUNNERS", {})
+    variant = ("lion", "x", (), False)
+    path = C._cache_path(variant)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a zip archive")
+    loads, builds = [], []
+
+    def loader(p, *args):
+        loads.append(open(p, "rb").read())
+        if loads[-1] != b"good":
+            raise RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory")
+        return "runner"
+
+    def build(v, p):
+        builds.append(v)
+        p.write_bytes(b"good")
+
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", loader)
+    monkeypatch.setattr(C, "_build_cached", build)
+    with caplog.at_level(logging.WARNING):
+        assert C._runner(variant) == "runner"
+    assert builds == [variant] and loads == [b"not a zip archive", b"good"]
+    assert str(path) in caplog.text and "building it again" in caplog.text
+
+    monkeypatch.undo()
+    err = "Traceback (most recent call last):\n  File \"x.py\", line 1\nInductorError: InvalidCxxCompiler: no compiler"
+    monkeypatch.setattr(C.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=1, stderr=err))
+    monkeypatch.setenv("MEMGRAD_CACHE_DIR", str(tmp_path / "other"))
+    with pytest.raises(RuntimeError, match="failed: InductorError: InvalidCxxCompiler: no compiler$"):
+        C._build_cached(variant, C._cache_path(variant))
+    assert not list((tmp_path / "other").rglob("*.pt2"))  # no half-written entry left
