@@ -199,6 +199,9 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._outside: dict[Tensor, Tensor | None] = {}  # trainable parameters outside the groups (_begin_norm)
         self._stash_counted: set[Tensor] = set()
         self._replays: list[Any] | None = None  # clip_pass="replay": the updates recorded during the norm pass
+        # inside a compiled graph's operator: its tensor arguments are the graph's buffers, which inductor reuses
+        # (or donates) once the operator returns, so a recorded update must keep copies (memgrad_hf.optim.forge_ops)
+        self._borrowed_inputs = False
         self._room: dict[torch.device, int] = {}  # memory headroom read in this norm pass, less what was kept
         self._room_wait: dict[torch.device, tuple[int, int]] = {}  # (layers until the next read, the wait after)
         self._norm_task: int | str | None = None  # the backward measuring the norm ("backward": a norm-only pass)

@@ -26,7 +26,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from memgrad_hf.functional import retain_head_grads
 from memgrad_hf.kernels import forge as K
@@ -204,6 +204,8 @@ class ExactClipping:
         """In a recording norm pass: keep ``fn(*args)`` (the update, replayed once the norm is known)."""
         if self._replays is None:
             return False
+        if self._borrowed_inputs:  # (a compiled graph's buffers: overwritten before the replay; parameters are not)
+            args = tuple(a.clone() if isinstance(a, Tensor) and not isinstance(a, nn.Parameter) else a for a in args)
         self._replays.append(functools.partial(fn, *args))
         return True
 

@@ -18,6 +18,7 @@ found and its parts summed before one update, as in eager mode.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from typing import Any
@@ -105,8 +106,9 @@ def _forge_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, dtype: torch.d
     opt, dt = _owner(weight), dtype or weight.dtype
     fused = _begin_backward(opt, weight)
     xc = x if x.dtype == dt else x.to(dt)
-    dx, dw, db = linear_backward(opt, dy, xc, weight, bias_dtype, dt, need_dx, True,
-                                 (lambda: _accumulates(weight, opt)) if fused else (lambda: False))
+    with _borrowed(opt):
+        dx, dw, db = linear_backward(opt, dy, xc, weight, bias_dtype, dt, need_dx, True,
+                                     (lambda: _accumulates(weight, opt)) if fused else (lambda: False))
     if dw is not None:
         _weight_grad(opt, weight, dw, fused)
     if dx is not None and dx.dtype != x.dtype:
@@ -148,8 +150,9 @@ def _forge_embedding_backward(dy: Tensor, ids: Tensor, weight: Tensor, padding_i
     """The fused update of an embedding's ``weight``; returns an empty tensor (the operator's effect is the update)."""
     opt = _owner(weight)
     fused = _begin_backward(opt, weight)
-    dw = embedding_backward(opt, dy, ids, weight, padding_idx,
-                            (lambda: _accumulates(weight, opt)) if fused else (lambda: False))
+    with _borrowed(opt):
+        dw = embedding_backward(opt, dy, ids, weight, padding_idx,
+                                (lambda: _accumulates(weight, opt)) if fused else (lambda: False))
     if dw is not None:
         _weight_grad(opt, weight, dw, fused)
     return dy.new_empty(0)
@@ -176,6 +179,20 @@ def _backward_embedding(ctx: Any, dout: Tensor) -> tuple:
 
 
 register_autograd("memgrad::forge_embedding", _backward_embedding, setup_context=_setup_embedding, lib=_LIB)
+
+
+@contextlib.contextmanager
+def _borrowed(opt: Any):
+    """While an operator runs the update: what it records for a later replay (exact clipping's norm pass) must be
+    copied, the graph reusing its buffers once the operator returns (a replay read another tensor's values)."""
+    if opt is None:
+        yield
+        return
+    opt._borrowed_inputs = True
+    try:
+        yield
+    finally:
+        opt._borrowed_inputs = False
 
 
 def _begin_backward(opt: Any, weight: Tensor) -> bool:
