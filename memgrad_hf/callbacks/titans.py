@@ -173,6 +173,12 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
             self._switch_memories()
         elif self._due(state):  # resumed past the switch point (steps or epochs), the callback's state not restored
             self._switch(state)
+            if self.distill_steps is not None and state.global_step >= self.distill_steps:
+                self.switch_step = self.distill_steps
+            self.cosine_at_switch, self.exact_calls_at_switch = float("nan"), None
+            logger.warning("FANDistillationCallback: resumed after the switch without the callback's saved state, so "
+                           "the cosine and exact-gradient calls at the switch are unknown (logged as nan / counted "
+                           "from here). TrainingArguments(restore_callback_states_from_checkpoint=True) keeps them.")
 
     def _check_optimizer(self, optimizer: Any) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)  # (accelerate's wrapper)
