@@ -134,6 +134,8 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
         # optimizer, or it would leave them out (distillation then changed nothing; a resume failed to match groups)
         for m in fan_memories(model) if model is not None else []:
             m.fan.requires_grad_(True)
+        if model is not None:  # (an evaluate() before train() logs their counters too)
+            self.memories, self._model = fan_memories(model), model
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        **kwargs: Any) -> None:

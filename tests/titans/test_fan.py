@@ -410,3 +410,14 @@ def test_with_peft_only_the_trainable_copy_is_distilled_and_switched(tmp_path):
     held = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
     assert not any(id(p) in held or p.requires_grad for p in original.fan.parameters())
     assert model.config.memgrad_titans["grad_impl"] == "fan"  # what a merged model saves
+
+
+def test_an_evaluation_before_training_logs_the_exact_calls_it_made(tmp_path):
+    # the callback found the memories at train begin only: an evaluate() first logged 0 exact calls after making some
+    from memgrad_hf.callbacks import FANDistillationCallback
+
+    torch.manual_seed(0)
+    model = TinyMemoryLM()
+    trainer = _trainer(model, FANDistillationCallback(distill_steps=1), 1, tmp_path)
+    metrics = trainer.evaluate(trainer.train_dataset)
+    assert metrics["fan_exact_grad_calls"] == model.mem.exact_grad_calls > 0 and metrics["fan_mode"] == 0
