@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -54,6 +55,21 @@ class StateCheckpointing:
         sd["forge"] = {"skipped_steps": self.skipped_steps, "prev_norm": self._prev_norm}
         return sd
 
+    def _check_saved_shapes(self, p: Tensor, saved: dict[str, Any]) -> None:
+        """A saved state tensor must fit its parameter: the update kernels index it as the parameter's shape (a
+        checkpoint of another model, or parameters in another order, otherwise wrote out of bounds)."""
+        for key, v in saved.items():
+            if key == "step" or not isinstance(v, Tensor):
+                continue
+            want = K.scale_shape(p.shape) if key.endswith(".scale") else p.shape
+            fits = tuple(v.shape) == tuple(want) or (key.endswith(".scale") and v.numel() == math.prod(want))
+            if not fits:
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: the saved {key.removesuffix(CODES)!r} has shape "
+                    f"{tuple(v.shape)}, but its parameter is {tuple(p.shape)}: the checkpoint belongs to another model "
+                    "(other layers, another Titans or LoRA configuration) or lists its parameters in another order."
+                )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         extra = state_dict.pop("forge", {})
@@ -73,6 +89,11 @@ class StateCheckpointing:
                     f"parameter, not the {sorted(kept)} this optimizer keeps: it was saved by another optimizer "
                     "(e.g. Lion's state loaded into AdamW, or AdamW's into Lion)."
                 )
+        saved_groups = state_dict.get("param_groups", ())
+        if [len(g["params"]) for g in saved_groups] == [len(g["params"]) for g in self.param_groups]:
+            ids = [i for g in saved_groups for i in g["params"]]
+            for i, p in zip(ids, [p for g in self.param_groups for p in g["params"]], strict=True):
+                self._check_saved_shapes(p, state_dict.get("state", {}).get(i, {}))
         hyper = {k for g in self.param_groups for k in g if k != "params"}
         for group in state_dict.get("param_groups", ()):
             if hyper - set(group):  # e.g. SGD's momentum: the update would fail inside the next backward
@@ -80,7 +101,7 @@ class StateCheckpointing:
                     f"{name}.load_state_dict: the saved parameter groups lack {sorted(hyper - set(group))}, which "
                     f"{name} needs: they were saved by another optimizer."
                 )
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # (which refuses groups of other sizes)
         self._plans = {}  # they point at the state tensors just replaced
         for st in self.state.values():  # torch SGD keeps no step: its buffer is past the first step's initialisation
             if "momentum_buffer" in st and "step" not in st:

@@ -923,3 +923,27 @@ def test_clip_grad_norm_with_the_previous_steps_norm_is_warned_about(caplog):
         opt.step()
     opt.detach()
     assert "does nothing with ForgeAdamW" in caplog.text
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "8bit"])
+def test_a_checkpoint_whose_state_does_not_fit_the_parameters_is_refused(state_dtype):
+    # another model's checkpoint (or the parameters in another order) was taken: the next backward wrote out of
+    # bounds (segfault, glibc abort) with bf16 / 8-bit state, and transposed state of equal size trained silently
+    def model_and_opt(order):
+        a, b = nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False)
+        model = nn.Sequential(a, b)
+        params = [a.weight, b.weight] if order == "ab" else [b.weight, a.weight]
+        return model, ForgeAdamW(params, model=model, state_dtype=state_dtype)
+
+    model, opt = model_and_opt("ab")
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    opt.detach()
+    other, other_opt = model_and_opt("ba")
+    with pytest.raises(ValueError, match="belongs to another model"):
+        other_opt.load_state_dict(saved)
+    other_opt.detach()
+    again, again_opt = model_and_opt("ab")
+    again_opt.load_state_dict(saved)  # the same layout loads
+    again_opt.detach()
