@@ -8,6 +8,10 @@ from typing import Any
 
 import torch
 
+# set on a layer that runs several times per forward by design (a FAN, once per memory chunk): FORGE applies its summed
+# gradient from the weight's gradient hook, as for any weight used twice, without the warning meant for accidents
+REUSED_PER_FORWARD = "_memgrad_reused_per_forward"
+
 
 def accumulates_into(node_ctx: Any, index: int) -> bool:
     """Whether the backward running ``node_ctx`` (an autograd Function's ``ctx``) accumulates into its input

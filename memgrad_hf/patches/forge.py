@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memgrad_hf.engine import REUSED_PER_FORWARD
 from memgrad_hf.optim.fused_linear import ForgeEmbeddingFunction, ForgeLinearFunction
 
 _ATTR = "_memgrad_forge"
@@ -109,7 +110,7 @@ def swap_linears(model: nn.Module, optimizer: Any, weights: set[int]) -> list[nn
             fwd = _forge_embedding_forward
         else:
             continue
-        if id(module.weight) not in weights:
+        if id(module.weight) not in weights or getattr(module, REUSED_PER_FORWARD, False):
             continue
         if "forward" in module.__dict__ and not hasattr(module, _ATTR):
             continue  # someone else (e.g. the chunked head capture) owns this forward right now

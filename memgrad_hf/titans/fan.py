@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from memgrad_hf.engine import REUSED_PER_FORWARD
 from memgrad_hf.kernels import titans as K
 
 _EPS = 1e-12
@@ -118,6 +119,8 @@ class FAN(nn.Module):
         # rest of the model) unchanged, so runs with and without a FAN start from the same model.
         with torch.random.fork_rng(devices=[]):
             self.net = nn.Sequential(nn.Linear(5 * dim_head, hidden), nn.GELU(), nn.Linear(hidden, sum(self.widths)))
+            for layer in self.net[0], self.net[2]:  # run once per chunk: FORGE applies their summed gradient
+                setattr(layer, REUSED_PER_FORWARD, True)
         self.norm_weight, self.loss_coef, self.local_derivative = norm_weight, loss_coef, local_derivative
         self.distilling = False
         self.calls = 0

@@ -421,3 +421,31 @@ def test_an_evaluation_before_training_logs_the_exact_calls_it_made(tmp_path):
     trainer = _trainer(model, FANDistillationCallback(distill_steps=1), 1, tmp_path)
     metrics = trainer.evaluate(trainer.train_dataset)
     assert metrics["fan_exact_grad_calls"] == model.mem.exact_grad_calls > 0 and metrics["fan_mode"] == 0
+
+
+def test_forge_trains_a_distilling_fan_exactly_without_calling_its_reuse_an_accident(caplog):
+    # the FAN runs once per memory chunk by design: FORGE warned "used more than once before one backward (a layer
+    # called twice, ...)" on every run with fan=True
+    import copy
+    import logging
+
+    from memgrad_hf.optim import ForgeAdamW
+
+    torch.manual_seed(0)
+    model = TinyMemoryLM()
+    model.mem.fan.distilling = True
+    ref = copy.deepcopy(model)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ids = torch.randint(0, 32, (2, 32), generator=torch.Generator().manual_seed(1))
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        for _ in range(2):
+            opt.backward(model(ids, ids)["loss"])
+            opt.step()
+            ref(ids, ids)["loss"].backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    opt.detach()
+    assert "more than once" not in caplog.text and "uses in the loss" not in caplog.text, caplog.text
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert rel_err(p, q) < 1e-5, name
