@@ -42,7 +42,9 @@ class FANDistillationCallback(TrainerCallback, ExportableState):
     exact weight gradients; while distilling, and frozen at the switch value afterwards), ``fan_exact_grad_calls``
     (exact inner-gradient calls summed over memories), ``fan_calls`` (chunks computed with the FAN) and
     ``fan_mode`` (0 distilling, 1 switched). After the switch :attr:`cosine_at_switch`, :attr:`exact_calls_at_switch`
-    and :attr:`switch_step` hold the values at that moment; :attr:`summary` has everything after training.
+    and :attr:`switch_step` hold the values at that moment; :attr:`summary` has everything after training. (A run
+    resumed with ``restore_callback_states_from_checkpoint=True`` gets a new instance from transformers, built from
+    the saved state: read these from the one in ``trainer.callback_handler.callbacks``, not the one you passed.)
 
     The FAN losses reach the FANs' parameters only, scaled by ``FAN.loss_coef`` (small by default, so that they
     barely count in the Trainer's global gradient norm); the reported loss and the model's own gradients are
