@@ -16,6 +16,10 @@ from memgrad_hf.optim.forge_checks import RESULT_OPTIONS, check_torch_options
 CODES = ".codes"  # the suffix of 8-bit state in a state dict (see StateCheckpointing.state_dict)
 
 
+_RULE_HYPERPARAMETERS = {"adamw": ("betas", "eps"), "lion": ("betas",), "sgd": ("momentum", "dampening", "nesterov"),
+                         "sgd_momentum": ("momentum", "dampening", "nesterov")}
+
+
 class StateCheckpointing:
     """The checkpoint part of :class:`memgrad_hf.optim.forge.ForgeOptimizer`: a resumed run continues exactly."""
 
@@ -94,7 +98,7 @@ class StateCheckpointing:
             ids = [i for g in saved_groups for i in g["params"]]
             for i, p in zip(ids, [p for g in self.param_groups for p in g["params"]], strict=True):
                 self._check_saved_shapes(p, state_dict.get("state", {}).get(i, {}))
-        hyper = {k for g in self.param_groups for k in g if k != "params"}
+        hyper = {"lr", "weight_decay", *_RULE_HYPERPARAMETERS[self.rule]}  # what the update reads from a group
         for group in state_dict.get("param_groups", ()):
             if hyper - set(group):  # e.g. SGD's momentum: the update would fail inside the next backward
                 raise ValueError(

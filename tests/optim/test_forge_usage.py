@@ -945,5 +945,6 @@ def test_a_checkpoint_whose_state_does_not_fit_the_parameters_is_refused(state_d
         other_opt.load_state_dict(saved)
     other_opt.detach()
     again, again_opt = model_and_opt("ab")
+    torch.optim.lr_scheduler.LambdaLR(again_opt, lambda step: 1.0)  # (its initial_lr is no hyperparameter to match)
     again_opt.load_state_dict(saved)  # the same layout loads
     again_opt.detach()
