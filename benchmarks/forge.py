@@ -211,7 +211,8 @@ def run(s: dict) -> None:
         memory.reset_peak(s["device"])
     t.train()
     if measure:
-        PEAK_IN_RUN[s["config"]] = (memory.peak_bytes(s["device"]) - base) / memory.MiB
+        PEAK_IN_RUN[s["config"]] = mib = (memory.peak_bytes(s["device"]) - base) / memory.MiB
+        print(f"# peak added, {s['config']}: {mib:.0f} MiB", flush=True)  # (a run stopped by its limit keeps it)
     opt = getattr(t.optimizer, "optimizer", t.optimizer)
     if hasattr(opt, "detach"):
         opt.detach()  # the next run's Trainer builds its own optimizer
