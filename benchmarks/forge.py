@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.harness import Case, _warm_libraries, machine, peak_added_mib, time_interleaved, versions
+from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions, warm_libraries
 from memgrad_hf import memory
 
 CONFIGS = {
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {machine(a.device)}; {versions()}\n")
     mem = {}
     if a.in_process_memory:
-        _warm_libraries(a.device)  # cuBLAS's workspaces exist before the first configuration's peak is read
+        warm_libraries(a.device)  # cuBLAS's workspaces exist before the first configuration's peak is read
     else:
         for c in cases:  # printed as measured: a run stopped by its time limit still reports these
             mem[c.name] = m = peak_added_mib(c, a.device, a.threads)

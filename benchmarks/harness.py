@@ -77,7 +77,7 @@ def _warm_cpu(threads: int) -> None:
     torch.mm(a, a), torch.addmm(a, a, a), torch.softmax(a, 1), (a * a).sum()
 
 
-def _warm_libraries(device: str) -> None:
+def warm_libraries(device: str) -> None:
     """Create cuBLAS's (and cuBLASLt's) per-stream workspaces, which the caching allocator keeps for the process's
     life: measured in this process, the first configuration would otherwise be charged for them and the rest not."""
     for dt in (torch.float32, torch.bfloat16, torch.float16):
@@ -94,7 +94,7 @@ def peak_added_mib(case: Case, device: str = "cpu", threads: int = 2, timeout: f
         if not device.startswith("cuda"):
             raise ValueError("in_process peak memory needs a GPU's allocator counters; on CPU each configuration "
                              "runs in a fresh process (peak RSS is monotonic)")
-        _warm_libraries(device)
+        warm_libraries(device)
         out = _measure(case, device, threads)
         torch.cuda.empty_cache()
         return out
