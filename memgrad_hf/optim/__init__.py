@@ -5,8 +5,9 @@ optimizer names: ``TrainingArguments(optim="forge_adamw")`` or ``--optim forge_a
 """
 
 from memgrad_hf.optim.forge import ForgeAdamW, ForgeLion, ForgeOptimizer, ForgeSGD
+from memgrad_hf.optim.forge_state import to_torch_state_dict
 from memgrad_hf.optim.registration import register
 
 register()
 
-__all__ = ["ForgeAdamW", "ForgeLion", "ForgeOptimizer", "ForgeSGD", "register"]
+__all__ = ["ForgeAdamW", "ForgeLion", "ForgeOptimizer", "ForgeSGD", "register", "to_torch_state_dict"]

@@ -121,3 +121,34 @@ class StateCheckpointing:
                     self._restore_state(p, st, name, state_dict["state"][i])
         self.skipped_steps = extra.get("skipped_steps", 0)
         self._prev_norm = extra.get("prev_norm")
+
+
+def to_torch_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A FORGE optimizer's ``state_dict()`` as ``torch.optim.AdamW`` / ``SGD`` take it: 8-bit state decoded (and
+    ``sqrt(v)`` squared) and bf16 state widened, to fp32 tensors under torch's names; FORGE's own entry dropped. For
+    continuing a FORGE run under a torch optimizer: torch cannot read 8-bit codes (its first step raises
+    ``KeyError: 'exp_avg'``). fp32 state passes unchanged, so such a resume is exact.
+
+    Example::
+
+        path = "out/checkpoint-500/optimizer.pt"
+        torch.save(to_torch_state_dict(torch.load(path)), path)   # then resume with optim="adamw_torch"
+    """
+    out = {k: v for k, v in state_dict.items() if k != "forge"}
+    out["state"] = {}
+    for i, st in state_dict.get("state", {}).items():
+        new = {}
+        for key, v in st.items():
+            name = key.removesuffix(CODES)
+            if key.endswith(".scale") or not isinstance(v, Tensor):
+                if not key.endswith(".scale"):
+                    new[key] = v
+                continue
+            if v.dtype in (K.Q_DTYPE, LEGACY_8BIT_DTYPE):
+                scale, positive = st[name + ".scale"].float(), name == "exp_avg_sq"
+                x = K.dequantize_8bit(v, scale, positive) if v.dtype == K.Q_DTYPE else dequantize_legacy(v, scale)
+                new[name] = x.square() if positive else x
+            else:
+                new[name] = v.float() if v.is_floating_point() and name != "step" else v
+        out["state"][i] = new
+    return out

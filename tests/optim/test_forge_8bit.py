@@ -307,6 +307,18 @@ def test_8bit_state_dict_is_not_taken_for_moments_by_torch_adamw(monkeypatch):
     for saved, st in zip(opt_c.state.values(), torch_opt.state.values(), strict=True):
         assert all(torch.equal(st[k], saved[k]) for k in ("exp_avg", "exp_avg_sq"))
     opt_c.detach()
+    # or in one call on the saved dict (a checkpoint's optimizer.pt): the same decoded state, and torch's step runs
+    from memgrad_hf.optim import to_torch_state_dict
+
+    converted = to_torch_state_dict(sd8)
+    assert "forge" not in converted and not any("." in k for st in converted["state"].values() for k in st)
+    d = copy.deepcopy(a)
+    torch_opt = torch.optim.AdamW(d.parameters(), lr=1e-3)
+    torch_opt.load_state_dict(converted)
+    for saved, st in zip(opt_c.state.values(), torch_opt.state.values(), strict=True):
+        assert all(torch.equal(st[k], saved[k]) for k in ("exp_avg", "exp_avg_sq"))
+    d(input_ids=ids, labels=ids).loss.backward()
+    torch_opt.step()
 
 
 def test_fp32_state_of_bf16_weights_resumes_bit_identical():
