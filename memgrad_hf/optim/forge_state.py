@@ -94,10 +94,16 @@ class StateCheckpointing:
                     "(e.g. Lion's state loaded into AdamW, or AdamW's into Lion)."
                 )
         saved_groups = state_dict.get("param_groups", ())
-        if [len(g["params"]) for g in saved_groups] == [len(g["params"]) for g in self.param_groups]:
-            ids = [i for g in saved_groups for i in g["params"]]
-            for i, p in zip(ids, [p for g in self.param_groups for p in g["params"]], strict=True):
-                self._check_saved_shapes(p, state_dict.get("state", {}).get(i, {}))
+        sizes, own = [len(g["params"]) for g in saved_groups], [len(g["params"]) for g in self.param_groups]
+        if sizes != own:
+            raise ValueError(
+                f"{name}.load_state_dict: the checkpoint's optimizer holds parameter groups of {sizes} parameters, "
+                f"this one {own}: the checkpoint belongs to a model with other trainable parameters (Titans memory "
+                "added or removed, another LoRA configuration, other frozen layers)."
+            )
+        ids = [i for g in saved_groups for i in g["params"]]
+        for i, p in zip(ids, [p for g in self.param_groups for p in g["params"]], strict=True):
+            self._check_saved_shapes(p, state_dict.get("state", {}).get(i, {}))
         hyper = {"lr", "weight_decay", *_RULE_HYPERPARAMETERS[self.rule]}  # what the update reads from a group
         for group in state_dict.get("param_groups", ()):
             if hyper - set(group):  # e.g. SGD's momentum: the update would fail inside the next backward
@@ -105,7 +111,7 @@ class StateCheckpointing:
                     f"{name}.load_state_dict: the saved parameter groups lack {sorted(hyper - set(group))}, which "
                     f"{name} needs: they were saved by another optimizer."
                 )
-        super().load_state_dict(state_dict)  # (which refuses groups of other sizes)
+        super().load_state_dict(state_dict)
         self._plans = {}  # they point at the state tensors just replaced
         for st in self.state.values():  # torch SGD keeps no step: its buffer is past the first step's initialisation
             if "momentum_buffer" in st and "step" not in st:

@@ -944,6 +944,11 @@ def test_a_checkpoint_whose_state_does_not_fit_the_parameters_is_refused(state_d
     with pytest.raises(ValueError, match="belongs to another model"):
         other_opt.load_state_dict(saved)
     other_opt.detach()
+    bigger = nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False), nn.Linear(64, 64))
+    bigger_opt = ForgeAdamW(bigger.parameters(), model=bigger, state_dtype=state_dtype)  # e.g. memory added
+    with pytest.raises(ValueError, match=r"groups of \[2\] parameters, this one \[4\]"):
+        bigger_opt.load_state_dict(saved)
+    bigger_opt.detach()
     again, again_opt = model_and_opt("ab")
     torch.optim.lr_scheduler.LambdaLR(again_opt, lambda step: 1.0)  # (its initial_lr is no hyperparameter to match)
     again_opt.load_state_dict(saved)  # the same layout loads
