@@ -191,7 +191,7 @@ def load_titans(model: nn.Module, path: str | os.PathLike, **hub_kwargs: Any) ->
 def _config_json_titans(path: str, hub_kwargs: dict[str, Any]) -> dict[str, Any] | None:
     """``memgrad_titans`` of the ``config.json`` beside a ``save_pretrained`` checkpoint, if any."""
     if os.path.isfile(path):
-        path = os.path.dirname(path)
+        path = os.path.dirname(path) or "."
     local = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         from transformers.utils import cached_file
