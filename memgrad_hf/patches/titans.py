@@ -551,7 +551,7 @@ def sync_titans_config(model: nn.Module) -> None:
     if len(impls) == 1 and patch.config.grad_impl not in impls:
         changes["grad_impl"] = impls.pop()
     fans = [m.fan for m in memories if m.fan is not None]
-    frozen = bool(fans) and not any(p.requires_grad for f in fans for p in f.parameters())
+    frozen = bool(fans) and all(f.frozen or not any(p.requires_grad for p in f.parameters()) for f in fans)
     if frozen != patch.config.fan_frozen:
         changes["fan_frozen"] = frozen
     if not changes:

@@ -93,6 +93,10 @@ class FAN(nn.Module):
 
     Attributes:
         distilling: when on (and the memory uses an exact gradient, in training), :meth:`observe` trains the FAN.
+        frozen: set by ``fan.requires_grad_(False)`` (cleared by ``requires_grad_(True)``): the prediction then uses
+            detached parameters, so the FAN stays frozen even where its parameters' flags are switched back on
+            behind its back (PEFT's ``disable_adapter()`` re-enables every parameter of a ``modules_to_save`` copy
+            on exit).
         calls: how many chunks were computed with the FAN's predicted gradient (:meth:`memory_step`).
         distill_calls: how many exact gradients the FAN was trained on.
         accumulation_steps: micro-batches per optimizer step (1; :class:`FANDistillationCallback` sets the
@@ -123,11 +127,16 @@ class FAN(nn.Module):
                 setattr(layer, REUSED_PER_FORWARD, True)
         self.norm_weight, self.loss_coef, self.local_derivative = norm_weight, loss_coef, local_derivative
         self.distilling = False
+        self.frozen = False
         self.calls = 0
         self.distill_calls = 0
         self.accumulation_steps = 1
         self._recent: deque[Tensor] = deque(maxlen=window)
         self._recent_layers: deque[Tensor] = deque(maxlen=window)
+
+    def requires_grad_(self, requires_grad: bool = True) -> FAN:
+        self.frozen = not requires_grad
+        return super().requires_grad_(requires_grad)
 
     # -- prediction -----------------------------------------------------------------------------------------------
     def features(self, k: Tensor, v: Tensor, y: Tensor) -> Tensor:
@@ -136,7 +145,12 @@ class FAN(nn.Module):
 
     def error_signals(self, k: Tensor, v: Tensor, y: Tensor) -> list[Tensor]:
         """Predicted per-token error signal of every memory layer, ``[(G, C, widths[i])]`` (before ``lr``)."""
-        out = self.net(self.features(k, v, y).to(self.net[0].weight.dtype)).to(k.dtype)
+        x = self.features(k, v, y).to(self.net[0].weight.dtype)
+        if self.frozen:
+            out = torch.func.functional_call(self.net, {n: p.detach() for n, p in self.net.named_parameters()}, (x,))
+        else:
+            out = self.net(x)
+        out = out.to(k.dtype)
         return list(out.split(self.widths, dim=-1))
 
     def predict(self, weights: list[Tensor] | tuple[Tensor, ...], gamma: Tensor, k: Tensor, v: Tensor, lr: Tensor,

@@ -412,6 +412,40 @@ def test_with_peft_only_the_trainable_copy_is_distilled_and_switched(tmp_path):
     assert model.config.memgrad_titans["grad_impl"] == "fan"  # what a merged model saves
 
 
+def test_a_frozen_fan_stays_frozen_after_peft_disable_adapter(tmp_path):
+    # PEFT's disable_adapter() (TRL's reference pass) re-enables every parameter of a modules_to_save copy on exit:
+    # the frozen FAN then trained on the model's loss, and a save recorded it as not frozen
+    from peft import LoraConfig, get_peft_model
+    from transformers import TrainerCallback
+
+    import memgrad_hf
+    from memgrad_hf.callbacks import FANDistillationCallback
+    from memgrad_hf.titans import TitansConfig
+    from tests.tiny_models import tiny_model
+
+    model = memgrad_hf.patch_model(tiny_model("llama"), head=False,
+                                   titans=TitansConfig(layers=[-1], heads=2, chunk_size=8, fan=True))
+    pm = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["titans_memory"]))
+    copy = [m for n, m in pm.named_modules() if isinstance(m, NeuralMemory) and "modules_to_save" in n][0]
+    at_switch = {}
+
+    class ReferencePass(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 1:
+                at_switch.update({n: p.detach().clone() for n, p in copy.fan.named_parameters()})
+                with pm.disable_adapter(), torch.no_grad():
+                    pm(input_ids=torch.randint(0, 32, (1, 16)))
+
+    trainer = _trainer(pm, FANDistillationCallback(distill_steps=1), 3, tmp_path)
+    trainer.add_callback(ReferencePass())
+    trainer.train()
+    assert copy.grad_impl == "fan" and copy.fan.calls > 0
+    for n, p in copy.fan.named_parameters():
+        assert torch.equal(p, at_switch[n]), n
+    memgrad_hf.patches.titans.sync_titans_config(pm)
+    assert model.config.memgrad_titans["fan_frozen"] is True
+
+
 def test_an_evaluation_before_training_logs_the_exact_calls_it_made(tmp_path):
     # the callback found the memories at train begin only: an evaluate() first logged 0 exact calls after making some
     from memgrad_hf.callbacks import FANDistillationCallback
