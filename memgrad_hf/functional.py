@@ -449,9 +449,9 @@ def linear_cross_entropy(
     n_valid = tv.numel()
 
     if reduction == "none":
-        lse, zt, _, zmean, _, _ = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep,
-                                                          _stats_chunks(chunk_size, n_valid, hv, weight), False,
-                                                          label_smoothing > 0, acc)
+        chunks = _stats_chunks(chunk_size, n_valid, hv, weight, weight_grad_consumer)
+        lse, zt, _, zmean, _, _ = _ChunkedHeadStats.apply(hv, weight, bias, tv, ep, chunks, False,
+                                                          label_smoothing > 0, acc, weight_grad_consumer)
         ce = _ce_from_stats(lse, zt, zmean, label_smoothing, z_loss)
         if idx is None:
             return ce.reshape(lead)

@@ -361,6 +361,25 @@ def test_weight_grad_consumer_receives_exact_blocks(kw, grad_in_forward):
     assert rel_err(got_w, gw) < 1e-5 and rel_err(got_b, gb) < 1e-5
 
 
+def test_weight_grad_consumer_receives_the_blocks_with_reduction_none():
+    # reduction="none" (a model's own per-token loss under patch_model) dropped the consumer: the whole [V x H]
+    # gradient went to autograd, what FORGE's fused head exists to avoid
+    h, w, b, y = _inputs(bias=True)
+    scale = torch.rand(y.shape)
+    ref = (linear_cross_entropy(h, w, y, bias=b, reduction="none", label_smoothing=0.1) * scale).sum()
+    gh, gw, gb = torch.autograd.grad(ref, [h, w, b])
+    got_w, got_b = torch.zeros_like(w), torch.zeros_like(b)
+
+    def consumer(v0, v1, dw, db):
+        got_w[v0:v1] += dw
+        got_b[v0:v1] += db
+
+    out = linear_cross_entropy(h, w, y, bias=b, reduction="none", label_smoothing=0.1, weight_grad_consumer=consumer)
+    (out * scale).sum().backward()
+    assert w.grad is None and b.grad is None
+    assert rel_err(h.grad, gh) < 1e-5 and rel_err(got_w, gw) < 1e-5 and rel_err(got_b, gb) < 1e-5
+
+
 def test_vocabulary_blocks_are_aligned():
     # bf16 logits blocks with a row stride that is not a multiple of 8 elements push cuBLAS onto slow kernels
     from memgrad_hf.kernels.head import aligned_block
