@@ -18,10 +18,9 @@ log = logging.getLogger("memgrad_hf.forge")
 
 
 def _forge(optimizer: Any) -> Any:
-    from memgrad_hf.optim.forge import ForgeOptimizer
+    from memgrad_hf.optim.forge import forge_optimizer_of
 
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
-    return inner if isinstance(inner, ForgeOptimizer) else None
+    return forge_optimizer_of(optimizer)
 
 
 _AFTER_BACKWARD = ("on_pre_optimizer_step", "on_optimizer_step")

@@ -1,4 +1,4 @@
-"""TRL integration (in progress): a drop-in for TRL's fused LM head computed by memgrad's chunked kernels.
+"""TRL integration: a drop-in for TRL's fused LM head computed by memgrad's chunked kernels.
 
 Example::
 

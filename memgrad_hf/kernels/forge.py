@@ -1,6 +1,7 @@
 """FORGE math, torch path: element-wise update rules, and the weight step fused into a linear layer's backward.
 
-The rules reproduce ``torch.optim``'s single-tensor op order exactly (REFERENCE §3.2), so that in fp32 an update
+The rules reproduce ``torch.optim``'s single-tensor op order exactly (the ``_single_tensor_*`` functions
+of ``torch/optim/adamw.py`` and its siblings), so that in fp32 an update
 applied to row slices of a weight equals ``torch.optim.AdamW`` on the whole weight bit for bit. Nothing here knows
 about optimizers' bookkeeping or transformers.
 """

@@ -1,7 +1,7 @@
 """Chunked LM-head math, torch path: loss, log-probs and entropies of ``z = f(x Wᵀ + b)`` without ever
 holding more than one ``[chunk x vocab]`` block of logits.
 
-Every objective the head serves has a per-token gradient of one shape (REFERENCE §2.2)::
+Every objective the head serves has a per-token gradient of one shape::
 
     dL/dz_j = p_j * (alpha + beta * log p_j) + gamma * 1[j == t] + delta
 

@@ -109,7 +109,7 @@ def _write_grad(base, ncols, t, lse, alpha, beta, gamma, delta, inp, out,
                 TANH: tl.constexpr, HAS_BETA: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_DELTA: tl.constexpr,
                 BLOCK: tl.constexpr):
     """Overwrite a row of logits (``ncols`` columns; ``t`` the target's column in it) with ``dL/du``:
-    ``dL/dz_j = p_j (alpha + beta log p_j) + gamma [j == t] + delta`` (REFERENCE §2.2; ``log p_j = z_j - lse``) times
+    ``dL/dz_j = p_j (alpha + beta log p_j) + gamma [j == t] + delta`` (``log p_j = z_j - lse``) times
     the epilogue's ``dz/du``."""
     cols0 = tl.arange(0, BLOCK)
     for v0 in range(0, ncols, BLOCK):

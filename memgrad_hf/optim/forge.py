@@ -978,3 +978,14 @@ class ForgeSGD(ForgeOptimizer):
         return "sgd_momentum" if any(g.get("momentum", 0) != 0 for g in getattr(self, "param_groups", ())) else "sgd"
 
 
+def forge_optimizer_of(optimizer: Any) -> ForgeOptimizer | None:
+    """The :class:`ForgeOptimizer` behind ``optimizer`` (unwrapping accelerate's ``AcceleratedOptimizer``, which the
+    Trainer's ``trainer.optimizer`` is), or None for any other optimizer.
+
+    Example::
+
+        opt = forge_optimizer_of(trainer.optimizer)
+        if opt is not None: print(opt.skipped_steps)
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if isinstance(inner, ForgeOptimizer) else None

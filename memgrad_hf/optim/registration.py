@@ -1,4 +1,5 @@
-"""Make ``optim="forge_adamw"`` / ``"forge_lion"`` valid Trainer choices (``TrainingArguments`` and the CLI).
+"""Make ``optim="forge_adamw"`` / ``"forge_lion"`` / ``"forge_sgd"`` valid Trainer choices (``TrainingArguments``
+and the CLI).
 
 transformers has no registration API: real ``OptimizerNames`` members are added (so ``to_dict``/JSON/pickle and
 ``HfArgumentParser`` choices work) and a handler is put in the Trainer's handler table. Parsers built before
@@ -243,9 +244,9 @@ def _hook_trainer_train() -> None:
         try:
             return original(self, *args, **kwargs)
         except BaseException:
-            from memgrad_hf.callbacks.forge import _forge
+            from memgrad_hf.optim.forge import forge_optimizer_of
 
-            opt = _forge(getattr(self, "optimizer", None))
+            opt = forge_optimizer_of(getattr(self, "optimizer", None))
             if opt is not None and opt._attached:
                 opt.end_trainer()
             raise
@@ -265,11 +266,11 @@ def _hook_accelerator_backward() -> None:
         return
 
     def backward(self: Any, loss: Any, **kwargs: Any) -> Any:
-        from memgrad_hf.optim.forge import ForgeOptimizer
+        from memgrad_hf.optim.forge import forge_optimizer_of
 
         for o in getattr(self, "_optimizers", ()):
-            inner = getattr(o, "optimizer", o)
-            if isinstance(inner, ForgeOptimizer) and inner._attached:
+            inner = forge_optimizer_of(o)
+            if inner is not None and inner._attached:
                 inner.scan_uses(loss)
                 loss = inner.clip_root(loss)
         return original(self, loss, **kwargs)
@@ -282,11 +283,11 @@ def _hook_accelerator_backward() -> None:
 
     @functools.wraps(original_clip)
     def clip_grad_norm_(self: Any, parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
-        from memgrad_hf.optim.forge import ForgeOptimizer
+        from memgrad_hf.optim.forge import forge_optimizer_of
 
         for o in getattr(self, "_optimizers", ()):
-            inner = getattr(o, "optimizer", o)
-            if isinstance(inner, ForgeOptimizer):
+            inner = forge_optimizer_of(o)
+            if inner is not None:
                 _warn_clip_does_nothing(inner, max_norm, "accelerator.clip_grad_norm_")
         return original_clip(self, parameters, max_norm, *args, **kwargs)
 

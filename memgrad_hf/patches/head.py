@@ -182,9 +182,8 @@ class _LinearToProbe(torch.overrides.TorchFunctionMode):
 
 
 def _head_out_features(head: nn.Module) -> int:
-    for attr in ("out_features",):
-        if isinstance(getattr(head, attr, None), int):
-            return getattr(head, attr)
+    if isinstance(getattr(head, "out_features", None), int):
+        return head.out_features
     w = getattr(head, "weight", None)
     if isinstance(w, torch.Tensor) and w.dim() == 2:
         return w.shape[0]
@@ -566,6 +565,16 @@ def _loss_not_served(model: nn.Module) -> str:
 
 def patch_head(model: nn.Module, *, chunk_size: int | None = None, accum_dtype: torch.dtype | None = None,
                grad_in_forward: bool | None = None) -> None:
+    """Replace ``model.forward`` (a ``*ForCausalLM``) by one that computes the loss with the chunked head when labels
+    are given; the head-only part of :func:`memgrad_hf.patch_model` (which also hooks the Trainer and resolves PEFT
+    wrappers: prefer it). Patching again only updates the options. Raises :class:`UnsupportedModelError` for a model
+    the probe cannot verify.
+
+    Example::
+
+        patch_head(model, chunk_size=1024)   # options as memgrad_hf.patch_model's
+        out = model(input_ids=ids, labels=ids)   # out.loss as HF's; out.logits is None in training
+    """
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None; got {chunk_size!r}.")
     # (which of these fits is checked at each forward, against the head weight's dtype then: fp32 or that dtype)
@@ -610,6 +619,12 @@ def is_fused_head_forward(fwd: Any) -> bool:
 
 
 def unpatch_head(model: nn.Module) -> bool:
+    """Undo :func:`patch_head`: the model's own ``forward`` is back. Returns whether ``model`` was patched.
+
+    Example::
+
+        if unpatch_head(model): print("plain HF forward again")
+    """
     patch: HeadPatch | None = getattr(model, _ATTR, None)
     if patch is None:
         return False
@@ -670,6 +685,8 @@ def _forward_lost(model: nn.Module) -> bool:
 
 
 def is_head_patched(model: nn.Module) -> bool:
+    """Whether ``model`` runs the chunked head (:func:`patch_head` and not undone). Example: ``assert
+    is_head_patched(memgrad_hf.patch_model(model))``."""
     return head_patch(model) is not None
 
 

@@ -1,4 +1,4 @@
-"""Per-family logit rewrites read from a model's config (transformers 5.x, REFERENCE §1.3).
+"""Per-family logit rewrites read from a model's config (transformers 5.x).
 
 memgrad's own paths do not need this table: ``patch_model`` and the fused head for TRL both observe what the model's
 forward does to the logits (see :mod:`memgrad_hf.patches.probe`), so a family missing here is still handled. The

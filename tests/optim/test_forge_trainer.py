@@ -10,7 +10,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 import memgrad_hf  # noqa: F401  (registers forge_*)
-from memgrad_hf.optim import ForgeAdamW, ForgeSGD
+from memgrad_hf.optim import ForgeAdamW, ForgeSGD, forge_optimizer_of
 from tests.test_trainer_integration import _data
 from tests.tiny_models import tiny_model
 
@@ -46,6 +46,8 @@ def test_forge_adamw_equals_adamw_torch(tmp_path, tied):
     t, la, ga = _train(model, _args(tmp_path / "f", "forge_adamw"))
     _, lb, gb = _train(ref, _args(tmp_path / "r", "adamw_torch"))
     assert type(t.optimizer.optimizer).__name__ == "ForgeAdamW"
+    assert forge_optimizer_of(t.optimizer) is t.optimizer.optimizer and forge_optimizer_of(t.optimizer.optimizer)
+    assert forge_optimizer_of(torch.optim.SGD(ref.parameters(), lr=1.0)) is None
     assert la == pytest.approx(lb, rel=1e-5)
     assert ga == pytest.approx(gb, rel=1e-4)  # the logged norm is the real one, not 0
     _assert_weights_close(model, ref)
