@@ -241,6 +241,7 @@ def _hook_trainer_train() -> None:
         for cb in getattr(handler, "callbacks", ()):
             if isinstance(cb, ForgeLogCallback):  # (it checks the others once the optimizer is known)
                 cb.others = [c for c in handler.callbacks if c is not cb]
+        _warn_forge_overridden(self)
         try:
             return original(self, *args, **kwargs)
         except BaseException:
@@ -253,6 +254,34 @@ def _hook_trainer_train() -> None:
 
     train._memgrad_forge = True  # type: ignore[attr-defined]
     Trainer.train = train
+
+
+def _warn_forge_overridden(trainer: Any) -> None:
+    """``optim="forge_*"`` while the Trainer was given an optimizer of the caller's (``optimizers=(opt, sched)`` or
+    ``optimizer_cls_and_kwargs``): the Trainer then ignores ``args.optim``, as for every name, so FORGE would never
+    run and nothing said so."""
+    from memgrad_hf.optim.forge import ForgeOptimizer, forge_optimizer_of
+
+    optim = getattr(getattr(trainer, "args", None), "optim", None)
+    name = getattr(optim, "value", optim)
+    if name not in NAMES.values():
+        return
+    given, cls_kwargs = getattr(trainer, "optimizer", None), getattr(trainer, "optimizer_cls_and_kwargs", None)
+    if given is not None:
+        if forge_optimizer_of(given) is not None:
+            return
+        what = f"optimizers=({type(getattr(given, 'optimizer', given)).__name__}, ...)"
+    elif cls_kwargs is not None:
+        cls = cls_kwargs[0]
+        if isinstance(cls, type) and issubclass(cls, ForgeOptimizer):
+            return
+        what = f"optimizer_cls_and_kwargs=({getattr(cls, '__name__', cls)}, ...)"
+    else:
+        return
+    log.warning("optim=%s is ignored: the Trainer was given %s, which it uses instead of args.optim, so FORGE does not "
+                "run (every weight gradient is held until step(), as usual). Drop that argument, or build the "
+                "optimizer with memgrad_hf.optim.ForgeAdamW (e.g. peft's create_loraplus_optimizer(model, ForgeAdamW, "
+                "lr=..., loraplus_lr_ratio=16, forge_model=model)).", name, what)
 
 
 def _hook_accelerator_backward() -> None:

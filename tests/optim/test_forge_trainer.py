@@ -366,6 +366,25 @@ def test_second_trainer_on_same_model_takes_over(tmp_path):
     _assert_weights_close(model, ref)
 
 
+def test_an_optimizer_given_to_the_trainer_with_optim_forge_is_warned_about(tmp_path, caplog):
+    # the Trainer uses optimizers=(opt, ...) / optimizer_cls_and_kwargs and ignores args.optim: forge_adamw with a
+    # LoRA+ AdamW silently trained without FORGE
+    model = tiny_model("llama")
+    given = [dict(optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-3), None)),
+             dict(optimizer_cls_and_kwargs=(torch.optim.AdamW, {"lr": 1e-3})),
+             dict(optimizer_cls_and_kwargs=(ForgeAdamW, {"lr": 1e-3, "forge_model": model})), {}]
+    warned = []
+    for i, kw in enumerate(given):
+        caplog.clear()
+        t = Trainer(model=model, args=_args(tmp_path / str(i), "forge_adamw", max_steps=1), train_dataset=_data(),
+                    **kw)
+        with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+            t.train()
+        warned.append(any("optim=forge_adamw is ignored" in r.getMessage() for r in caplog.records))
+        t.optimizer = None  # (a later Trainer takes the model over)
+    assert warned == [True, True, False, False]
+
+
 def test_fp16_and_bad_optim_args_are_refused(tmp_path):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="fp16"):
