@@ -24,7 +24,7 @@ def backend(device: torch.device | str | None = None, forced: str | None = None)
     ``MEMGRAD_BACKEND`` overrides the choice (``triton`` on CPU needs ``TRITON_INTERPRET=1``); ``forced``: its value,
     if the caller has read it already.
     """
-    forced = _forced() if forced is None else forced
+    forced = forced_backend() if forced is None else forced
     if forced:
         if forced not in _BACKENDS:
             raise ValueError(f"MEMGRAD_BACKEND={forced!r} is not one of {_BACKENDS}; unset it or pick one.")
@@ -76,7 +76,8 @@ def head_impl(device: torch.device | str | None = None, dtype: torch.dtype | Non
     return head
 
 
-def _forced() -> str:
+def forced_backend() -> str:
+    """The backend forced by ``MEMGRAD_BACKEND`` (``"torch"``, ``"triton"``), or ``""`` when it is unset."""
     return os.environ.get("MEMGRAD_BACKEND", "").strip().lower()
 
 
@@ -86,7 +87,7 @@ def default_backend(family: str, device: torch.device | str | None = None) -> st
     ``"triton"`` only once a smoke test of that family has built and run on ``device``'s kind in this process. A
     default must not stop training where Triton cannot build for the GPU or driver: there one warning names the
     error and the torch path serves every call. A forced ``MEMGRAD_BACKEND=triton`` is not second-guessed."""
-    forced = _forced()  # read once: this runs per layer and step (an environment read costs ~1-2 µs)
+    forced = forced_backend()  # read once: this runs per layer and step (an environment read costs ~1-2 µs)
     chosen = backend(device, forced)
     if chosen != "triton" or forced == "triton":
         return chosen
@@ -182,7 +183,7 @@ def titans_step_impl(device: torch.device | str | None = None):
     :mod:`memgrad_hf.kernels.titans_rows_triton` by default (``default_backend("titans")``), and an inference step
     at head width <= 64 as the Triton twin's one kernel (faster there; measured 2026-11-27).
     """
-    if backend(device) == "triton" and _forced() == "triton":
+    if backend(device) == "triton" and forced_backend() == "triton":
         from memgrad_hf.kernels.titans_triton import memory_step
     else:
         from memgrad_hf.kernels.titans import memory_step

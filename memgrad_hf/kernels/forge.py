@@ -91,7 +91,8 @@ def round_to_bf16_stochastic(x: Tensor, seed: int, *, offset: int = 0) -> Tensor
     return _sr_truncate(x, seed, offset).to(torch.bfloat16)
 
 
-def _as_int32(v: int) -> int:
+def as_int32(v: int) -> int:
+    """``v`` mod 2^32 read as a signed int32 (how the uint32 noise keys travel as int32 kernel arguments)."""
     v &= 0xFFFFFFFF
     return v - (1 << 32) if v >= (1 << 31) else v
 
@@ -126,12 +127,12 @@ def hash_bits(seed: int, offset: int, shape: torch.Size | tuple[int, ...], bits:
     n = 1
     for d in shape:
         n *= d
-    x = _iota(n, torch.device(device)).add(_as_int32(noise_key(seed) + offset))
+    x = _iota(n, torch.device(device)).add(as_int32(noise_key(seed) + offset))
     tmp = torch.empty_like(x)
     for shift, mul in ((16, _H1), (15, _H2)):  # x ^= x >> shift (logical); x *= mul
         torch.bitwise_right_shift(x, shift, out=tmp)
         x.bitwise_xor_(tmp.bitwise_and_((1 << (32 - shift)) - 1))
-        x.mul_(_as_int32(mul))  # int32 products wrap mod 2^32, as uint32 ones do
+        x.mul_(as_int32(mul))  # int32 products wrap mod 2^32, as uint32 ones do
     # last round, x ^= x >> 16: for the low 16 bits an arithmetic shift does what a logical one does
     torch.bitwise_right_shift(x, 16, out=tmp)
     x.bitwise_xor_(tmp if bits <= 16 else tmp.bitwise_and_(0xFFFF))

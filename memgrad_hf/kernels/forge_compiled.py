@@ -63,9 +63,9 @@ def _noise(like: Tensor, key: Tensor, bits: int) -> Tensor:
     x = torch.arange(cols, dtype=torch.int32, device=key.device) + (
         torch.arange(rows, dtype=torch.int32, device=key.device) * cols)[:, None] + key
     x = x ^ ((x >> 16) & 0xFFFF)  # logical shifts on int32: arithmetic shift, then mask
-    x = x * K._as_int32(K._H1)  # int32 products wrap mod 2^32, as uint32 ones do
+    x = x * K.as_int32(K._H1)  # int32 products wrap mod 2^32, as uint32 ones do
     x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * K._as_int32(K._H2)
+    x = x * K.as_int32(K._H2)
     x = x ^ ((x >> 16) & 0xFFFF)
     return x & ((1 << bits) - 1)
 
@@ -299,7 +299,7 @@ def apply_rows(rule: str, p: Tensor, g: Tensor, st: dict[str, Tensor], hp: dict[
                        "Set MEMGRAD_COMPILE=0 to skip the attempt.", str(e).strip().splitlines()[-1] if str(e).strip()
                        else repr(e))
         return False
-    keys = torch.tensor([K._as_int32(K.noise_key(seeds[n]) + offset) for n in ("p", *names)], dtype=torch.int32)
+    keys = torch.tensor([K.as_int32(K.noise_key(seeds[n]) + offset) for n in ("p", *names)], dtype=torch.int32)
     g = g if g.dtype == torch.float32 else g.float()
     runner.run(_flat_args(rule, p, g, st, _coefficients(rule, hp, step), keys))
     calls += 1

@@ -45,11 +45,13 @@ _INV_SQRT_2PI = 0.3989422804014327
 _ROWS = sys.modules[__name__]  # this module's row ops (ln_loss_grad, ln_residual, their backwards): the default
 
 
-def _act(z: Tensor, activation: str) -> Tensor:
+def apply_activation(z: Tensor, activation: str) -> Tensor:
+    """The memory MLP's activation, ``"gelu"`` or ``"silu"`` (shared with the FAN's prediction)."""
     return F.gelu(z) if activation == "gelu" else F.silu(z)
 
 
-def _act_backward(grad: Tensor, z: Tensor, activation: str) -> Tensor:
+def activation_backward(grad: Tensor, z: Tensor, activation: str) -> Tensor:
+    """``grad * act'(z)``: the backward of :func:`apply_activation` at the pre-activation ``z``."""
     if activation == "gelu":  # aten's own kernel: bit-identical to autograd's, and twice differentiable
         return torch.ops.aten.gelu_backward(grad, z)
     s = torch.sigmoid(z)  # aten.silu_backward has no double backward
@@ -75,7 +77,7 @@ def _mlp(weights: list[Tensor], x: Tensor, activation: str) -> tuple[Tensor, lis
     for i, w in enumerate(weights):
         if i > 0:
             zs.append(h)
-            h = _act(h, activation)
+            h = apply_activation(h, activation)
             acts.append(h)
         h = _matmul(h, w)
     return h, zs, acts
@@ -261,7 +263,7 @@ def _step_forward(weights: list[Tensor], gamma: Tensor, keys: Tensor, values: Te
         grads[i] = torch.bmm(acts[i].transpose(1, 2), gi)
         acts[i] = None  # type: ignore[call-overload]
         if i > 0:  # a shared 2-D weight: one GEMM over all memories, no expanded copy
-            gi = _act_backward(_matmul(gi, weights[i].transpose(-1, -2)), zs[i - 1], activation)
+            gi = activation_backward(_matmul(gi, weights[i].transpose(-1, -2)), zs[i - 1], activation)
             zs[i - 1] = None  # type: ignore[call-overload]
     outs: tuple[Tensor | None, ...] = (*grads, dgamma, token_loss)
     return (outs if retrieved is None else (*outs, retrieved)), saved
@@ -373,21 +375,22 @@ class _MemoryStep(torch.autograd.Function):
             qbar = r_q
             zbar, g1bar = (_rows_impl(x) if ip else _ROWS).ln_residual_backward(r_q, mq, hq, meanq, rstdq, gamma)
             for i in range(L - 1, -1, -1):
-                wbar[i] = _wgrad(q if i == 0 else _act(zqs[i - 1], act), zbar, shared[i], None, ip)
+                wbar[i] = _wgrad(q if i == 0 else apply_activation(zqs[i - 1], act), zbar, shared[i], None, ip)
                 abar = _matmul(zbar, ws[i].transpose(-1, -2))
                 if i == 0:
                     qbar = qbar + abar
                 else:
-                    zbar = _act_backward(abar, zqs[i - 1], act)
+                    zbar = activation_backward(abar, zqs[i - 1], act)
             del zbar, abar
-        acts: list[Tensor | None] = [x] + [_act(z, act) for z in zs]  # A_i, recomputed from the pre-activations
+        # A_i, recomputed from the pre-activations
+        acts: list[Tensor | None] = [x] + [apply_activation(z, act) for z in zs]
         # G_i (the gradient at layer i's output) and E_i = G_i W_i^T, recomputed top-down.
         Gs: list[Tensor | None] = [None] * L
         Es: list[Tensor | None] = [None] * L
         Gs[L - 1] = dm
         for i in range(L - 1, 0, -1):
             Es[i] = _matmul(Gs[i], ws[i].transpose(-1, -2))
-            Gs[i - 1] = _act_backward(Es[i], zs[i - 1], act)
+            Gs[i - 1] = activation_backward(Es[i], zs[i - 1], act)
         # 1) Through the gradient chain, bottom-up: dW_i = A_i^T G_i and G_{i-1} = (G_i W_i^T) * act'(Z_{i-1}).
         # The curvature term of Z_i (Gbar_i * E_{i+1} * act''(Z_i), for step 3) is formed here, freeing E_{i+1}.
         Ebar: list[Tensor | None] = [None] * L
@@ -399,7 +402,7 @@ class _MemoryStep(torch.autograd.Function):
                 gb = _mm(Ebar[i], ws[i], gb, ip)
             if i < L - 1:
                 if gb is not None:
-                    Ebar[i + 1] = _act_backward(gb, zs[i], act)
+                    Ebar[i + 1] = activation_backward(gb, zs[i], act)
                     if ip:
                         curv[i] = _act_second(zs[i], act, True).mul_(gb).mul_(Es[i + 1])
                     else:
@@ -429,7 +432,7 @@ class _MemoryStep(torch.autograd.Function):
             if i == 0:
                 xbar = _add(xbar, abar)
                 break
-            zbar = None if abar is None else _act_backward(abar, zs[i - 1], act)
+            zbar = None if abar is None else activation_backward(abar, zs[i - 1], act)
             if curv[i - 1] is not None:
                 zbar = curv[i - 1] if zbar is None else (zbar.add_(curv[i - 1]) if ip else zbar + curv[i - 1])
                 curv[i - 1] = None

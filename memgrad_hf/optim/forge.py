@@ -27,8 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from memgrad_hf.kernels import _forced as _forced_backend
-from memgrad_hf.kernels import default_backend
+from memgrad_hf.kernels import default_backend, forced_backend
 from memgrad_hf.kernels import forge as K
 from memgrad_hf.optim import forge_ops
 from memgrad_hf.optim.forge_checks import (
@@ -578,7 +577,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         """What a linear weight's update needs besides its inputs, worked out once: on a GPU at small batch the host's
         time per layer is the step's time (``python -m benchmarks.forge_host``). Rebuilt when ``MEMGRAD_BACKEND``
         changes; dropped by :meth:`load_state_dict` (new state tensors)."""
-        forced = _forced_backend()
+        forced = forced_backend()
         plan = self._plans.get(weight)
         if (plan is not None and plan.forced == forced and plan.contiguous == weight.is_contiguous()
                 and plan.rule == self.rule):

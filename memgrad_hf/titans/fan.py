@@ -174,9 +174,9 @@ class FAN(nn.Module):
         signals = self.error_signals(k, v, y)
         grads = []
         for i, g_hat in enumerate(signals):
-            a = k if i == 0 else K._act(zs[i - 1][:, :C], activation)
+            a = k if i == 0 else K.apply_activation(zs[i - 1][:, :C], activation)
             if i < len(signals) - 1 and self.local_derivative:
-                g_hat = K._act_backward(g_hat, zs[i][:, :C], activation)
+                g_hat = K.activation_backward(g_hat, zs[i][:, :C], activation)
             grads.append(torch.bmm(a.transpose(1, 2), g_hat * lr[..., None]))
         return grads, dgamma, retrieved
 

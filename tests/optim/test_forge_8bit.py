@@ -112,7 +112,7 @@ def test_compiled_quantizer_equals_eager_code_for_code():
     for positive, seed in ((False, None), (True, 11)):
         x = x.abs() if positive else x
         want = quantize_8bit(x, seed, positive=positive)
-        key = None if seed is None else torch.tensor(K._as_int32(K.noise_key(seed)), dtype=torch.int32)
+        key = None if seed is None else torch.tensor(K.as_int32(K.noise_key(seed)), dtype=torch.int32)
         got = C._quantize(x.view(-1, Q_BLOCK), key, positive)
         assert torch.equal(got[0].view(8, 128), want[0]) and torch.equal(got[1].view(8, 2), want[1])
 

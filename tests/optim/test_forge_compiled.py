@@ -23,7 +23,7 @@ def _state(rule: str, dtype: torch.dtype, rows: int, cols: int) -> dict[str, tor
 
 def test_noise_is_the_eager_hash_bit_for_bit():
     for shape, seed, offset in [((7, 64), 3, 0), ((33, 128), 12345, 987654), ((1, 64), 2**31 + 5, 2**32 - 64)]:
-        key = torch.tensor(K._as_int32(K.noise_key(seed) + offset), dtype=torch.int32)
+        key = torch.tensor(K.as_int32(K.noise_key(seed) + offset), dtype=torch.int32)
         for bits in (16, 20):
             got = C._noise(torch.empty(shape), key, bits)  # the formula; the compiled use is tested below
             assert torch.equal(got, K.hash_bits(seed, offset, shape, bits, "cpu"))
