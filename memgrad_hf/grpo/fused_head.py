@@ -237,7 +237,7 @@ def _install(modules: Any = None) -> list[str]:
 
     try:
         original = _trl_original()
-    except ImportError:
+    except (ImportError, AttributeError):  # no TRL, or one without a fused head (< 1.15)
         return []
     if modules != "loaded":
         for name in _TRL_MODULES:
