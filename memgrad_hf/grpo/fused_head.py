@@ -167,19 +167,19 @@ _ALL_MODELS = {"on": False}
 
 def is_memgrad_patched(model: Any) -> bool:
     """Whether ``model`` (or the causal LM under its PEFT wrapper) went through ``patch_model`` with the head."""
-    from memgrad_hf.patches import _causal_lm
     from memgrad_hf.patches.head import is_head_patched
+    from memgrad_hf.patches.unwrap import base_model
 
-    return is_head_patched(_causal_lm(model)) or is_head_patched(model)
+    return is_head_patched(base_model(model)) or is_head_patched(model)
 
 
 def _trainer_policy(caller: Any) -> torch.nn.Module | None:
     """The causal LM that the trainer whose ``__init__`` is ``caller`` (a frame) trains, or None."""
-    from memgrad_hf.patches import _causal_lm
+    from memgrad_hf.patches.unwrap import base_model
 
     trainer = caller.f_locals.get("self") if caller is not None else None
     policy = getattr(trainer, "model", None)
-    return _causal_lm(policy) if isinstance(policy, torch.nn.Module) else None
+    return base_model(policy) if isinstance(policy, torch.nn.Module) else None
 
 
 def _mirror_titans(policy: torch.nn.Module, model: torch.nn.Module) -> None:

@@ -14,19 +14,12 @@ from torch import nn
 from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.patches.head import is_head_patched, patch_head, unpatch_head
 from memgrad_hf.patches.trainer import hook_trainer_compute_loss, hook_trainer_init
+from memgrad_hf.patches.unwrap import base_model
 
 logger = logging.getLogger(__name__)
 
 hook_trainer_compute_loss()  # Trainer's label smoothing runs through the chunked head of a patched model
 hook_trainer_init()  # a TRL trainer built around a patched model installs memgrad's fused head
-
-
-def _causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers model under a PEFT wrapper (``PeftModel.get_base_model()``), else ``model``."""
-    get_base = getattr(model, "get_base_model", None)
-    if callable(get_base) and type(model).__module__.startswith("peft"):
-        return get_base()
-    return model
 
 
 def patch_model(
@@ -83,7 +76,7 @@ def patch_model(
         if ignored:
             logger.warning(f"patch_model(head=False): {', '.join(ignored)} configure the chunked head, which "
                            "head=False leaves out, and are ignored; drop them or pass head=True.")
-    target = _causal_lm(model)
+    target = base_model(model)
     if titans is not None:  # first: a bad Titans argument raises before anything is changed
         from memgrad_hf.patches.titans import inject_titans, remove_titans
 
@@ -112,7 +105,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
         memgrad_hf.unpatch_model(model)   # the chunked head and any Titans memory removed; the original forward back
     """
-    target = _causal_lm(model)
+    target = base_model(model)
     unpatch_head(target)
     from memgrad_hf.patches.titans import remove_titans
 

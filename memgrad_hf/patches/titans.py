@@ -539,9 +539,9 @@ def sync_titans_config(model: nn.Module) -> None:
 
         titans_branches(model)[3].memory.grad_impl = "fan"; sync_titans_config(model); model.save_pretrained("out")
     """
-    from memgrad_hf.patches import _causal_lm
+    from memgrad_hf.patches.unwrap import base_model
 
-    base = _causal_lm(model)
+    base = base_model(model)
     patch = getattr(base, _MODEL_ATTR, None)
     if not isinstance(patch, TitansPatch):
         return

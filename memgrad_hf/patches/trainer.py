@@ -35,10 +35,10 @@ def _patched_lm(trainer: Any, model: nn.Module) -> nn.Module | None:
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
-    from memgrad_hf.patches import _causal_lm
     from memgrad_hf.patches.head import is_head_patched
+    from memgrad_hf.patches.unwrap import base_model
 
-    target = _causal_lm(trainer.accelerator.unwrap_model(model))
+    target = base_model(trainer.accelerator.unwrap_model(model))
     names = {*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values(), *MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()}
     if not is_head_patched(target) or target._get_name() not in names:
         return None
@@ -49,13 +49,13 @@ def _refuse_liger_head(trainer: Any, model: nn.Module) -> None:
     """``use_liger_kernel=True`` with Liger's fused linear cross-entropy (its default) replaces a patched model's
     ``forward`` at ``train()``: memgrad's chunked head (and a FORGE optimizer's hand-over of the head gradient) would
     silently stop running. Refused before the first step."""
-    from memgrad_hf.patches import _causal_lm
     from memgrad_hf.patches.head import is_head_patched
+    from memgrad_hf.patches.unwrap import base_model
 
     config = getattr(trainer.args, "liger_kernel_config", None) or {}
     if not config.get("fused_linear_cross_entropy", True):
         return
-    target = _causal_lm(trainer.accelerator.unwrap_model(model))
+    target = base_model(trainer.accelerator.unwrap_model(model))
     if is_head_patched(target):
         raise ValueError(
             f"use_liger_kernel=True replaces {type(target).__name__}.forward with Liger's fused linear cross-entropy, "
@@ -153,12 +153,12 @@ def hook_trainer_init() -> None:
         _warn_titans_dropped(self.model)
         if _is_trl_trainer(self):
             from memgrad_hf.grpo.fused_head import is_memgrad_patched, route_patched_models
-            from memgrad_hf.patches import _causal_lm
             from memgrad_hf.patches.titans import is_titans_patched
+            from memgrad_hf.patches.unwrap import base_model
 
             # a patched head, or a Titans memory (its reference model, loaded by TRL without it, gets it: _dispatch)
             if isinstance(self.model, nn.Module) and (is_memgrad_patched(self.model)
-                                                      or is_titans_patched(_causal_lm(self.model))):
+                                                      or is_titans_patched(base_model(self.model))):
                 route_patched_models()
 
     __init__._memgrad_route = True  # type: ignore[attr-defined]
@@ -169,12 +169,12 @@ def _warn_titans_dropped(model: Any) -> None:
     """A checkpoint saved with Titans memory (``config.memgrad_titans``) but loaded without it, by a plain
     ``from_pretrained`` (TRL's ``model="path"`` does that): the Trainer would train it without its memory and save a
     checkpoint whose config promises memory weights it does not hold. Said at the Trainer's creation."""
-    from memgrad_hf.patches import _causal_lm
     from memgrad_hf.patches.titans import CONFIG_ATTR, is_titans_patched
+    from memgrad_hf.patches.unwrap import base_model
 
     if not isinstance(model, nn.Module):
         return
-    base = _causal_lm(model)
+    base = base_model(model)
     config = getattr(base, "config", None)
     if getattr(config, CONFIG_ATTR, None) is None or is_titans_patched(base):
         return

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from memgrad_hf.patches.unwrap import base_model
 from memgrad_hf.titans.config import TitansConfig
 
 logger = logging.getLogger(__name__)
@@ -33,12 +34,6 @@ TITANS_WEIGHTS_NAME = "memgrad_titans.safetensors"
 _KEY = re.compile(r"(?:^|\.)(\d+)\.titans_memory\.(.+)$")
 _META_KEY = "memgrad_titans"
 _EXPECTED_PATTERN = r"\.titans_memory\."
-
-
-def _base(model: nn.Module) -> nn.Module:
-    from memgrad_hf.patches import _causal_lm
-
-    return _causal_lm(model)
 
 
 def _canonical(key: str) -> tuple[int, str] | None:
@@ -54,7 +49,7 @@ def titans_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
         sd = titans_state_dict(model)   # {"model.layers.3.titans_memory.out.weight": ..., ...}
     """
-    return {k: v for k, v in _base(model).state_dict().items() if _canonical(k) is not None}
+    return {k: v for k, v in base_model(model).state_dict().items() if _canonical(k) is not None}
 
 
 def save_titans(model: nn.Module, save_directory: str | os.PathLike) -> str:
@@ -70,7 +65,7 @@ def save_titans(model: nn.Module, save_directory: str | os.PathLike) -> str:
 
     from memgrad_hf.patches.titans import is_titans_patched, sync_titans_config
 
-    base = _base(model)
+    base = base_model(model)
     if not is_titans_patched(base):
         raise ValueError(f"save_titans: {type(base).__name__} has no Titans memory (patch_model(model, titans=...)).")
     sync_titans_config(base)
@@ -150,7 +145,7 @@ def load_titans(model: nn.Module, path: str | os.PathLike, **hub_kwargs: Any) ->
     """
     from memgrad_hf.patches.titans import BRANCH_ATTR, CONFIG_ATTR, inject_titans, is_titans_patched
 
-    base = _base(model)
+    base = base_model(model)
     tensors, meta_config = _read_titans(_checkpoint_files(os.fspath(path), hub_kwargs))
     patched_before = is_titans_patched(base)
     if not patched_before:
