@@ -203,7 +203,7 @@ if __name__ == "__main__":
     print(f"linear_cross_entropy + linear_logprobs, MEMGRAD_BACKEND=triton vs torch: max rel err {err:.2e}")
     from memgrad_hf import kernels
 
-    kernels._smoke_head_triton(dev)  # what decides, once per process, whether the default Triton head is used
+    kernels.smoke.head(dev)  # what decides, once per process, whether the default Triton head is used
     print("default-head smoke test: passed")
     # bf16 weights: the logits come from the same torch GEMM and both round dL/du to nearest bf16 (the kernel by bit
     # arithmetic: the interpreter's own cast truncates), so interpreted they agree to fp32 rounding

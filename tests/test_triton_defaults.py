@@ -27,7 +27,7 @@ def test_triton_defaults_fall_back_to_torch_where_triton_cannot_run(monkeypatch,
         tried.append(kind)
         raise RuntimeError("no kernel image is available for execution on the device")
 
-    monkeypatch.setitem(kernels._SMOKE_TESTS, family, smoke)
+    monkeypatch.setitem(kernels.smoke.TESTS, family, smoke)
     with caplog.at_level("WARNING", logger="memgrad_hf.kernels"):
         assert kernels.default_backend(family, "cuda") == "torch"
         assert kernels.default_backend(family, "cuda") == "torch"
@@ -47,7 +47,7 @@ def test_triton_defaults_fall_back_to_torch_where_triton_cannot_run(monkeypatch,
 @pytest.mark.parametrize("family", ["forge", "titans"])
 def test_smoke_test_runs_under_the_interpreter(family):
     # the smoke test itself (what decides whether a GPU gets the family's Triton kernels), on CPU
-    code = f"from memgrad_hf import kernels; kernels._smoke_{family}_triton('cpu'); print('smoke passed')"
+    code = f"from memgrad_hf import kernels; kernels.smoke.{family}('cpu'); print('smoke passed')"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "smoke passed" in res.stdout, res.stdout + res.stderr
