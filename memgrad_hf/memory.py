@@ -49,6 +49,8 @@ def reset_peak(device: torch.device | str | None = None) -> None:
 
 
 def current_bytes(device: torch.device | str | None = None) -> int | None:
+    """Memory in use now: ``torch.cuda.memory_allocated`` on a GPU, the process's resident set on CPU (None where
+    it cannot be read)."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
         return torch.cuda.memory_allocated(dev)
@@ -56,6 +58,8 @@ def current_bytes(device: torch.device | str | None = None) -> int | None:
 
 
 def peak_bytes(device: torch.device | str | None = None) -> int | None:
+    """Peak memory since the last reset: ``torch.cuda.max_memory_allocated`` on a GPU, VmHWM on CPU (None where it
+    cannot be read)."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
