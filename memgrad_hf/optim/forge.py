@@ -34,6 +34,7 @@ from memgrad_hf.optim.forge_checks import (
     RESULT_OPTIONS,
     check_flag,
     check_hp,
+    check_options,
     check_torch_options,
     note_gradient_readers,
     note_low_precision_weights,
@@ -47,21 +48,19 @@ from memgrad_hf.patches import forge as P
 
 log = logging.getLogger("memgrad_hf.forge")
 
-_CLIP_MODES = ("exact", "previous")
-_CLIP_PASSES = ("auto", "replay", "backward")  # how exact clipping gets the norm first (see forge_clip)
-# How a chunked LM head (patch_model) produces the weight gradient FORGE consumes in vocabulary blocks:
+# clip_pass: how exact clipping gets the norm first ("auto", "replay", "backward"; see forge_clip).
+# head_grad: how a chunked LM head (patch_model) produces the weight gradient FORGE consumes in vocabulary blocks:
 # "recompute" the logits in backward (no [V x H] buffer; a third more head flops), or "hold" the gradient computed in
 # forward until the head's backward (the head's usual flops; one fp32 [V x H] buffer from forward to backward);
 # "auto" holds where that buffer is no larger than what recomputing allocates anyway on the torch path (its 32 MiB
 # logits block and 4 MiB gradient block: kernels.head.head_backward_vocab_blocks)
-_HEAD_GRAD_MODES = ("auto", "recompute", "hold")
 _HOLD_MAX_BYTES = 36 << 20
-# A linear weight's update on a GPU: "fused" (dW tiles in the Triton kernel's registers, the update in its epilogue)
-# or "split" (dW row tiles by cuBLAS, then the update kernel: the library's GEMM speed, one dW tile in memory);
+# kernel: a linear weight's update on a GPU: "fused" (dW tiles in the Triton kernel's registers, the update in its
+# epilogue) or "split" (dW row tiles by cuBLAS, then the update kernel: the library's GEMM speed, one dW tile in
+# memory);
 # "auto": split for weights of at least _SPLIT_MIN_NUMEL elements. On an H100 (run F), one 11008 x 4096 layer took
 # 480 µs of device time split against 722 fused, and a 7B model's step with forge_lion 1.29x adamw_torch_fused's
 # split, 1.37x fused; at 2048 x 2048 (a ~1B model, host-bound at batch 1) the fused kernel's one launch is cheaper.
-_KERNELS = ("auto", "fused", "split")
 _SPLIT_MIN_NUMEL = 4096 * 4096
 _MIN_8BIT_NUMEL = 4096  # smaller tensors keep fp32 state under state_dtype="8bit"
 _NO_CONTEXT = contextlib.nullcontext()
@@ -153,18 +152,8 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         if isinstance(params, nn.Module):  # ForgeAdamW(model, lr=...); also Trainer(optimizer_cls_and_kwargs=(cls,
             model = params if model is None else model  # {"model": m})), which passes the model as the params
             params = params.parameters()
-        if clip not in _CLIP_MODES:
-            raise ValueError(f"clip must be one of {_CLIP_MODES}; got {clip!r}.")
-        if clip_pass not in _CLIP_PASSES:
-            raise ValueError(f"clip_pass must be one of {_CLIP_PASSES}; got {clip_pass!r}.")
-        if head_grad not in _HEAD_GRAD_MODES:
-            raise ValueError(f"head_grad must be one of {_HEAD_GRAD_MODES}; got {head_grad!r}.")
-        if kernel not in _KERNELS:
-            raise ValueError(f"kernel must be one of {_KERNELS}; got {kernel!r}.")
-        if tile_bytes is not None and int(tile_bytes) < 1:
-            raise ValueError(f"tile_bytes must be a positive number of bytes (or None: automatic); got {tile_bytes}.")
-        if max_grad_norm is None or max_grad_norm < 0 or not math.isfinite(max_grad_norm):
-            raise ValueError(f"max_grad_norm must be a finite number >= 0 (0 disables clipping); got {max_grad_norm}.")
+        check_options(clip=clip, clip_pass=clip_pass, head_grad=head_grad, kernel=kernel, tile_bytes=tile_bytes,
+                      max_grad_norm=max_grad_norm)
         if model is None:
             raise ValueError(
                 f"{type(self).__name__} needs the model (model=...) to fuse the update into its linear layers' "
