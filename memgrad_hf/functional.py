@@ -220,6 +220,13 @@ class _ChunkedHeadStats(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
+def check_chunk_size(chunk_size: int | None) -> None:
+    """Refuse a ``chunk_size`` that is not a positive int or None (automatic)."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None for automatic; "
+                         f"got {chunk_size!r}.")
+
+
 def _check(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, chunk_size: int | None, name: str,
            softcap: float | None = None):
     refuse_func_transforms(
@@ -250,9 +257,7 @@ def _check(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, chu
         )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"bias must be [vocab] = [{weight.shape[0]}]; got {_desc(bias)}.")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None for automatic; "
-                         f"got {chunk_size!r}.")
+    check_chunk_size(chunk_size)
     if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
         raise ValueError(
             f"hidden ({hidden.dtype}) and weight ({weight.dtype}) dtypes differ; cast one of them "

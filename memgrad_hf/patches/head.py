@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memgrad_hf.errors import UnsupportedModelError
-from memgrad_hf.functional import linear_cross_entropy
+from memgrad_hf.functional import check_chunk_size, linear_cross_entropy
 from memgrad_hf.patches.probe import Chain, LogitsProbe
 
 _ATTR = "_memgrad_head"
@@ -575,8 +575,7 @@ def patch_head(model: nn.Module, *, chunk_size: int | None = None, accum_dtype: 
         patch_head(model, chunk_size=1024)   # options as memgrad_hf.patch_model's
         out = model(input_ids=ids, labels=ids)   # out.loss as HF's; out.logits is None in training
     """
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None; got {chunk_size!r}.")
+    check_chunk_size(chunk_size)
     # (which of these fits is checked at each forward, against the head weight's dtype then: fp32 or that dtype)
     if accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise ValueError(f"accum_dtype must be None, torch.float32 or the weight dtype; got {accum_dtype!r}.")
