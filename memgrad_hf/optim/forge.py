@@ -273,7 +273,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         for _, p in model.named_parameters(remove_duplicate=False):
             counts[id(p)] = counts.get(id(p), 0) + 1
         fusable = {id(p) for p in self._group_index if counts.get(id(p), 0) == 1 and p.requires_grad}
-        self._swapped = P.swap_linears(model, self, fusable)
+        self._swapped = P.swap_layers(model, self, fusable)
         self._fused = {m.weight for m in self._swapped}  # nn.Linear and nn.Embedding weights
         with torch.enable_grad():  # each one's gradient accumulator, for a compiled layer (forge_ops._accumulates)
             self._grad_nodes = {w: torch.autograd.graph.get_gradient_edge(w).node for w in self._fused}
@@ -413,7 +413,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         from memgrad_hf.patches.head import set_head_weight_consumer
 
         set_head_weight_consumer(self.model, None)
-        P.restore_linears(self._swapped)
+        P.restore_layers(self._swapped)
         for h in (*self._hooks, *self._segment_hooks):
             h.remove()
         self._segment_hooks, self._segment = [], None

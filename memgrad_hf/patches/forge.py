@@ -1,4 +1,4 @@
-"""Swap the forward of ``nn.Linear`` layers for the FORGE one, and restore it: bookkeeping only."""
+"""Swap the forward of ``nn.Linear`` and ``nn.Embedding`` layers for the FORGE one, and restore it: bookkeeping only."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def _plain_embedding(m: nn.Module) -> bool:
     return type(m) is nn.Embedding and m.max_norm is None and not m.sparse and not m.scale_grad_by_freq
 
 
-def swap_linears(model: nn.Module, optimizer: Any, weights: set[int]) -> list[nn.Module]:
+def swap_layers(model: nn.Module, optimizer: Any, weights: set[int]) -> list[nn.Module]:
     """Give every plain ``nn.Linear`` (and ``nn.Embedding``) whose weight (by ``id``) is in ``weights`` the fused
     backward."""
     swapped = []
@@ -120,7 +120,8 @@ def swap_linears(model: nn.Module, optimizer: Any, weights: set[int]) -> list[nn
     return swapped
 
 
-def restore_linears(modules: list[nn.Module]) -> None:
+def restore_layers(modules: list[nn.Module]) -> None:
+    """Give the layers :func:`swap_layers` returned their own forward back."""
     for module in modules:
         if hasattr(module, _ATTR):
             delattr(module, _ATTR)
