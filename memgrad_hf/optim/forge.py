@@ -78,6 +78,7 @@ class _LinearPlan(NamedTuple):
     impl: Any  # the update: Triton kernel (fused or split) or the torch twin
     position: int  # the parameter's position: its rounding-noise seeds
     rule: str  # the update rule it was resolved for (ForgeSGD's changes when a scheduler sets momentum)
+    shape: torch.Size  # the weight's shape then (a resize swaps the weight's data in place)
 
 
 def _rule_state(st: dict[str, Any]) -> dict[str, Tensor]:
@@ -317,6 +318,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         if not st:
             st["step"] = torch.tensor(0.0)
         names = K.RULES[self.rule][1]
+        self.check_state_fits(p)
         if len(st) <= len(names):  # new, or a rule that keeps more state since (SGD given momentum by a scheduler)
             dtype = self._state_dtype_for(p)
             for name in names:
@@ -325,6 +327,23 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                     if dtype == K.Q_DTYPE:
                         st[name + ".scale"] = torch.ones(K.scale_shape(p.shape), dtype=torch.float32, device=p.device)
         return st
+
+    def check_state_fits(self, p: Tensor) -> None:
+        """Refuse a parameter whose shape changed since its state was made (``resize_token_embeddings`` swaps the
+        weight's data in place): the update would index the old state as the new shape. Checked at each fused
+        layer's forward and, for the other parameters, when the loss's backward starts: before any update of the
+        step, so nothing is half-applied."""
+        st = self.state.get(p)
+        if not st:
+            return
+        for name in K.RULES[self.rule][1]:
+            v = st.get(name)
+            if v is not None and v.shape != p.shape:
+                where = next((n for n, q in self.model.named_parameters() if q is p), "a parameter")
+                raise ValueError(
+                    f"{type(self).__name__}: {where} is {tuple(p.shape)} now, but its optimizer state was made for "
+                    f"{tuple(v.shape)} (model.resize_token_embeddings after the optimizer was built?). Build the "
+                    "optimizer again after resizing (under Trainer: a new Trainer), or resize before building it.")
 
     def _state_dtype_for(self, p: Tensor) -> torch.dtype:
         if self.state_dtype is None:  # auto: like torch.optim, state in the weight's precision (bf16 for bf16/fp16)
@@ -569,14 +588,14 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         forced = forced_backend()
         plan = self._plans.get(weight)
         if (plan is not None and plan.forced == forced and plan.contiguous == weight.is_contiguous()
-                and plan.rule == self.rule):
+                and plan.rule == self.rule and plan.shape == weight.shape):
             return plan
         st = self._state(weight)
         plan = _LinearPlan(
             forced=forced, contiguous=weight.is_contiguous(), state=st,
             rule_state=_rule_state(st),
             rows=self._linear_rows(weight), impl=self._weight_step_impl(weight),
-            position=self._group_index_pos[weight], rule=self.rule,
+            position=self._group_index_pos[weight], rule=self.rule, shape=weight.shape,
         )
         self._plans[weight] = plan
         return plan

@@ -50,6 +50,8 @@ class LossRoot(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor):
         opt = ctx.opt
         opt._hook_new()  # parameters unfrozen since: their gradient must enter this norm
+        for p in opt._hooked - opt._fused:  # (a fused layer's weight was checked at its forward)
+            opt.check_state_fits(p)  # a resized weight is refused before any update of this backward
         task = torch._C._current_graph_task_id()
         if opt._measuring(task) or opt._root_task == task:  # (a loss wrapped twice: the outer root did it all)
             return grad, None, None

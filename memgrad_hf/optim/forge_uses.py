@@ -65,6 +65,7 @@ class UseTracking:
         runs only with autograd on (a Titans memory's FAN) is first used in the recompute, maybe once per chunk."""
         if torch._C._current_graph_task_id() != -1 and not (self._defer_all and weight not in self._segment_seen):
             return
+        self.check_state_fits(weight)
         if weight not in self._shared and (self._pending(weight) or weight in self._segment_seen):
             self._mark_shared(weight, "is used more than once before one backward (a layer called twice, two "
                                       "forwards and one loss, or an earlier forward's graph kept without a backward)",
@@ -77,6 +78,7 @@ class UseTracking:
         without a backward stops counting, as its autograd node does for the eager layer)."""
         if torch._C._current_graph_task_id() != -1:  # a recomputation in backward (checkpointing): not a use
             return
+        self.check_state_fits(weight)
         n = self._compiled_uses.get(weight, 0)
         if weight not in self._shared and (n or self._pending(weight)):
             self._mark_shared(weight, "is used more than once before one backward (a layer called twice, two "

@@ -953,3 +953,30 @@ def test_a_checkpoint_whose_state_does_not_fit_the_parameters_is_refused(state_d
     torch.optim.lr_scheduler.LambdaLR(again_opt, lambda step: 1.0)  # (its initial_lr is no hyperparameter to match)
     again_opt.load_state_dict(saved)  # the same layout loads
     again_opt.detach()
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["plain", "patched_head"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_weight_resized_after_its_state_was_made_is_refused_before_any_update(head, tied):
+    # resize_token_embeddings swaps the embedding's data in place: the next backward failed deep in the update with a
+    # bare size mismatch, after updating most of the model (a half-applied step)
+    model = tiny_model("llama", tied=tied)
+    if head:
+        memgrad_hf.patch_model(model)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    vocab = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(vocab + 2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.shape[0] != vocab + 2}
+    with pytest.raises(ValueError, match="resize_token_embeddings"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for n, p in model.named_parameters():
+        if n in before:
+            assert torch.equal(p, before[n]), n
+    # a new optimizer trains the resized model
+    opt.detach()
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
