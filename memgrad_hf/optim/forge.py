@@ -40,6 +40,7 @@ from memgrad_hf.optim.forge_checks import (
     note_low_precision_weights,
     parse_state_dtype,
     refuse_distributed,
+    refuse_sparse_gradients,
 )
 from memgrad_hf.optim.forge_clip import ExactClipping, LossRoot, allow_retained_compiled_backward
 from memgrad_hf.optim.forge_state import StateCheckpointing
@@ -167,6 +168,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         state_dtype = parse_state_dtype(state_dtype)
         super().__init__(params, defaults)
         note_low_precision_weights(self.param_groups, state_dtype)
+        refuse_sparse_gradients(type(self).__name__, model, {p for g in self.param_groups for p in g["params"]})
         note_gradient_readers(model)
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
@@ -288,6 +290,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         if self.needs_norm_pass and not self._replays_clip():
             allow_retained_compiled_backward()
         self._scanned = False  # (scan_uses runs once per attach)
+        self._scan_frozen: set[Tensor] = set()
         # A chunked LM head hands its weight gradient over in vocabulary blocks instead of building it.
         from memgrad_hf.patches.head import set_head_weight_consumer
 
@@ -768,7 +771,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             self._mark_shared(p, "is also used outside its layer (e.g. a penalty on the weight in the loss); this "
                                  "step applied that part of its gradient as a separate update")
         if p.grad.is_sparse:
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients (as torch's AdamW): use "
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients: use "
                                "nn.Embedding(sparse=False), or torch.optim.SparseAdam for that embedding.")
         if self._mode == "norm":
             acc = self._accumulated(p)

@@ -80,6 +80,17 @@ def note_gradient_readers(model: nn.Module) -> None:
                 "that, train it with torch.optim (e.g. optim='adamw_torch').", name, what)
 
 
+def refuse_sparse_gradients(owner: str, model: nn.Module, params: set[nn.Parameter]) -> None:
+    """An ``nn.Embedding(sparse=True)`` whose weight trains: its sparse gradient has no FORGE update. Refused at
+    construction (in backward it would fail after the other layers had stepped)."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding) and m.sparse and m.weight in params and m.weight.requires_grad:
+            raise ValueError(
+                f"{owner}: {name or 'the model'} is nn.Embedding(sparse=True), whose sparse gradient FORGE cannot "
+                "apply. Use sparse=False, or leave that embedding out of this optimizer (e.g. torch.optim.SparseAdam "
+                "for it).")
+
+
 def refuse_distributed(model: nn.Module) -> None:
     wrapped = type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") or any(
         type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") for m in model.modules()

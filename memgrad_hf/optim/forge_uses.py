@@ -119,15 +119,20 @@ class UseTracking:
         self._segment_seen.add(weight)
 
     def scan_uses(self, loss: Tensor) -> None:
-        """Once after :meth:`attach`: walk ``loss``'s autograd graph and count, for each fused weight, the edges into
-        its gradient accumulator. More than one (a layer called twice, a use outside its layer such as a penalty on
-        the weight in the loss) and the weight's parts are summed by autograd before its update, from this backward
-        on. Run by ``Accelerator.backward`` (the Trainer) and :meth:`backward`; a plain ``loss.backward()`` relies on
-        the checks at forward (``_note_use``) and in the hook (``_on_grad``)."""
-        if self._scanned or not isinstance(loss, Tensor) or loss.grad_fn is None:
+        """Once after :meth:`attach` (and again once a fused weight frozen then trains): walk ``loss``'s autograd
+        graph and count, for each fused weight, the edges into its gradient accumulator. More than one (a layer called
+        twice, a use outside its layer such as a penalty on the weight in the loss) and the weight's parts are summed
+        by autograd before its update, from this backward on. Run by ``Accelerator.backward`` (the Trainer) and
+        :meth:`backward`; a plain ``loss.backward()`` relies on the checks at forward (``_note_use``) and in the hook
+        (``_on_grad``)."""
+        if not isinstance(loss, Tensor) or loss.grad_fn is None:
+            return
+        # a weight frozen during the scan has no edge in the graph: scanned again once one of those trains
+        if self._scanned and not any(w.requires_grad for w in self._scan_frozen):
             return
         self._scanned = True
         fused = self._fused - self._shared
+        self._scan_frozen = {w for w in fused if not w.requires_grad}
         edges: dict[Tensor, int] = {}
         seen, stack = {loss.grad_fn}, [loss.grad_fn]
         while stack:

@@ -661,10 +661,8 @@ def test_options_that_change_the_result_are_refused_however_they_arrive():
             sgd.load_state_dict(saved)
     sgd.detach()
     emb = nn.Embedding(10, 4, sparse=True)
-    sparse_opt = ForgeAdamW(emb.parameters(), model=emb)
-    with pytest.raises(RuntimeError, match="sparse gradients"):
-        emb(torch.tensor([1, 2])).sum().backward()
-    sparse_opt.detach()
+    with pytest.raises(ValueError, match="sparse=True"):
+        ForgeAdamW(emb.parameters(), model=emb)
 
 
 def test_step_while_accelerate_says_no_sync_warns(caplog):
@@ -860,10 +858,18 @@ def test_forge_sgd_takes_the_model_as_params_and_continues_a_torch_sgd_state():
     opt.detach()
 
 
-def test_a_sparse_embedding_gradient_is_refused_by_name_under_clipping_too():
-    # with max_grad_norm > 0 the norm pass measured it first: torch's "Could not run 'aten::linalg_vector_norm'"
+@pytest.mark.parametrize("opt_cls", [ForgeAdamW, ForgeSGD])
+def test_a_sparse_embedding_is_refused_at_construction(opt_cls):
+    # in backward it failed after the other layers had stepped (and, under clipping, with torch's "Could not run
+    # 'aten::linalg_vector_norm'"); ForgeSGD's message claimed torch's SGD had no sparse gradients either
     net = nn.Sequential(nn.Embedding(20, 8, sparse=True), nn.Linear(8, 4))
-    opt = ForgeAdamW(net.parameters(), model=net, lr=1e-3, max_grad_norm=0.5)
+    with pytest.raises(ValueError, match=r"0 is nn.Embedding\(sparse=True\)"):
+        opt_cls(net.parameters(), model=net, lr=1e-3, max_grad_norm=0.5)
+    net[0].weight.requires_grad_(False)  # a frozen one is no concern
+    opt_cls(net.parameters(), model=net, lr=1e-3).detach()
+    # the backward check stays for one unfrozen later
+    opt = opt_cls(net.parameters(), model=net, lr=1e-3)
+    net[0].weight.requires_grad_(True)
     with pytest.raises(RuntimeError, match="does not support sparse gradients"):
         opt.backward(net(torch.tensor([[1, 2, 3]])).sum())
     opt.detach()
@@ -980,3 +986,43 @@ def test_a_weight_resized_after_its_state_was_made_is_refused_before_any_update(
     opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
+
+
+class _OutsideUseNet(nn.Module):
+    """A linear weight used by its layer and outside it (``F.linear`` on the same weight)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.e, self.a, self.o = nn.Embedding(10, 6), nn.Linear(6, 6), nn.Linear(6, 10)
+
+    def forward(self, x):
+        h = self.e(x)
+        return self.o(self.a(h) + 0.5 * nn.functional.linear(h, self.a.weight))
+
+
+@pytest.mark.parametrize("opt_cls", [ForgeSGD, ForgeAdamW])
+def test_a_weight_used_outside_its_layer_and_frozen_at_the_first_backward_is_updated_once_after_unfreezing(opt_cls):
+    # the graph scan that finds a second use ran once per attach: a weight frozen then had no edge in the graph, so
+    # once unfrozen its layer's part and the outside part were applied as two updates (1.6x torch's SGD step)
+    kw = {"lr": 1.0, "momentum": 0.9} if opt_cls is ForgeSGD else {"lr": 1e-2}
+    model = _OutsideUseNet()
+    ref = copy.deepcopy(model)
+    ref_opt = (torch.optim.SGD if opt_cls is ForgeSGD else torch.optim.AdamW)(ref.parameters(), **kw)
+    opt = opt_cls(model.parameters(), model=model, **kw)
+    x = torch.randint(0, 10, (3, 4), generator=torch.Generator().manual_seed(1))
+
+    def loss(m):
+        return nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten())
+
+    for frozen in (True, False, False):
+        for m in (model, ref):
+            m.a.weight.requires_grad_(not frozen)
+        ref_opt.zero_grad()
+        loss(ref).backward()
+        ref_opt.step()
+        opt.backward(loss(model))
+        opt.step()
+        _assert_weights_close(model, ref)
+    assert opt.state[model.a.weight]["step"].item() == 2
+    opt.detach()
