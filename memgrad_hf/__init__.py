@@ -9,7 +9,7 @@ Example::
 
 from memgrad_hf import functional, optim  # optim: registers forge_* with transformers
 from memgrad_hf.errors import UnsupportedModelError
-from memgrad_hf.patches import patch_model, unpatch_model
+from memgrad_hf.patches import is_head_patched, patch_model, unpatch_model
 
 __version__ = "0.1.0"
 
@@ -24,4 +24,5 @@ def __getattr__(name: str):
         return importlib.import_module(f"memgrad_hf.{name}")
     raise AttributeError(f"module 'memgrad_hf' has no attribute {name!r}")
 
-__all__ = ["UnsupportedModelError", "functional", "optim", "patch_model", "unpatch_model", "__version__"]
+__all__ = ["UnsupportedModelError", "functional", "is_head_patched", "optim", "patch_model", "unpatch_model",
+           "__version__"]

@@ -38,7 +38,7 @@ def patch_model(
         head: chunked LM head — in training forwards with ``labels`` the ``[tokens x vocab]`` logits are never
             built; the loss and every gradient equal HF's. ``outputs.logits`` is ``None`` for those calls;
             ``model.eval()`` forwards and ``generate`` are unchanged. Pass ``skip_logits=True/False`` to a forward
-            to force the choice.
+            to force the choice. ``head=False`` on a model patched before removes the chunked head.
         titans: a :class:`memgrad_hf.titans.TitansConfig`: adds a gated Titans memory branch to the chosen decoder
             layers (outputs identical at step 0; memory state follows the KV cache in ``generate``; saved by
             ``save_pretrained``, loaded by :func:`memgrad_hf.titans.from_pretrained`).
@@ -67,8 +67,9 @@ def patch_model(
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(f"patch_model expects a torch.nn.Module; got {type(model).__name__}.")
-    if not head:  # a no-op, warned (a script may pass its flags through) rather than refused
-        if titans is None:
+    if not head:
+        if titans is None and not is_head_patched(base_model(model)):  # a no-op: warned (a script may pass its
+            # flags through), not refused
             logger.warning("patch_model(head=False) without titans= changes nothing: pass titans=TitansConfig(...) "
                            "to add only the Titans memory, or head=True for the chunked head.")
         ignored = [k for k, v in (("chunk_size", chunk_size), ("accum_dtype", accum_dtype),
@@ -91,6 +92,9 @@ def patch_model(
     try:
         if head:
             patch_head(target, chunk_size=chunk_size, accum_dtype=accum_dtype, grad_in_forward=grad_in_forward)
+        elif unpatch_head(target):  # (what the chunked head's errors at forward advise, on a model patched before)
+            logger.info("patch_model(head=False): the chunked head patched earlier is removed; the model's own head "
+                        "runs.")
     except BaseException:
         if titans is not None:
             remove_titans(target)

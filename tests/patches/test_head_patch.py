@@ -137,6 +137,30 @@ def test_unpatch_restores_and_double_patch_is_harmless():
     memgrad_hf.unpatch_model(model)  # unpatching an unpatched model is a no-op
 
 
+def test_a_head_the_chunked_head_refuses_at_forward_is_served_after_the_advised_head_false():
+    # a custom head found at the first training forward is refused with "Use patch_model(model, head=False)"; on the
+    # model already patched that call changed nothing, and the error came again
+    from memgrad_hf.titans import TitansConfig
+
+    class ScaledHead(nn.Module):  # logits through a matmul, not F.linear: the probe cannot reproduce them
+        def __init__(self, w):
+            super().__init__()
+            self.weight = w
+
+        def forward(self, x):
+            return 2 * x @ self.weight.t()
+
+    model = memgrad_hf.patch_model(tiny_model("llama"))
+    model.lm_head = ScaledHead(model.lm_head.weight)
+    ids, labels = _batch()
+    with pytest.raises(UnsupportedModelError, match=r"patch_model\(model, head=False\)"):
+        model(input_ids=ids, labels=labels)
+    memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[0], heads=2, chunk_size=8))
+    assert not memgrad_hf.is_head_patched(model) and "forward" not in model.__dict__
+    assert model(input_ids=ids, labels=labels).logits is not None  # the model's own head and loss
+    assert memgrad_hf.patches.titans.is_titans_patched(model)
+
+
 def test_deepcopy_of_patched_model_patches_the_copy():
     model, _ = _pair()
     memgrad_hf.patch_model(model)
