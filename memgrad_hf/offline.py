@@ -5,6 +5,12 @@ Nothing here touches a model hub.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 
 DEMO_TEXT = """\
@@ -28,7 +34,7 @@ zebras jump! Sphinx of black quartz, judge my vow. Two driven jocks help fax my 
 """
 
 
-def build_char_tokenizer(text: str = DEMO_TEXT, padding_side: str = "left"):
+def build_char_tokenizer(text: str = DEMO_TEXT, padding_side: str = "left") -> PreTrainedTokenizerFast:
     """A character-level ``PreTrainedTokenizerFast`` built locally from ``text`` (specials: pad, bos, eos, unk).
 
     Example::
@@ -57,7 +63,7 @@ def build_char_tokenizer(text: str = DEMO_TEXT, padding_side: str = "left"):
     return tok
 
 
-def lm_blocks(tokenizer, text: str, seq_len: int, n_blocks: int) -> list[dict]:
+def lm_blocks(tokenizer: Any, text: str, seq_len: int, n_blocks: int) -> list[dict]:
     """``n_blocks`` training examples of ``seq_len`` tokens cut from ``text`` (repeated as needed)."""
     ids = tokenizer(text, add_special_tokens=False).input_ids
     need = seq_len * n_blocks
@@ -68,7 +74,7 @@ def lm_blocks(tokenizer, text: str, seq_len: int, n_blocks: int) -> list[dict]:
     ]
 
 
-def run_recipe(main, argv: list[str] | None = None) -> int:
+def run_recipe(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Run a recipe's ``main``; a model, dataset or file that cannot be loaded (offline hub, mistyped path) ends in
     one line naming it and the fix instead of a long traceback.
 
