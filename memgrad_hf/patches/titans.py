@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.patches.titans_masks import CACHE_NAMES as _CACHE_NAMES
 from memgrad_hf.patches.titans_masks import StoreMask, install_mask_hooks, remove_hooks
-from memgrad_hf.titans.branch import GatedMemoryBranch
+from memgrad_hf.titans.branch import GatedMemoryBranch, run_packed_documents
 from memgrad_hf.titans.config import TitansConfig
 from memgrad_hf.titans.memory import NeuralMemory, NeuralMemState
 
@@ -395,7 +395,7 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     mask = _layer_mask(info, x)
     starts = None if info.store_mask is None or cache is not None else info.store_mask.starts
     if starts is not None and starts.shape[1] == x.shape[1]:  # packed documents: each from a fresh memory
-        run = lambda h: _packed_documents(branch, h, starts.expand(h.shape[0], -1), mask)
+        run = lambda h: run_packed_documents(branch, h, starts.expand(h.shape[0], -1), mask)
     else:
         run = lambda h: branch(h, None, mask)[0]
     if checkpointing and cache is None and callable(getattr(self, "_gradient_checkpointing_func", None)):
@@ -417,25 +417,6 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if isinstance(out, Tensor):
         return hidden
     return [hidden, *out[1:]] if isinstance(out, list) else (hidden, *out[1:])
-
-
-def _packed_documents(branch: nn.Module, x: Tensor, starts: Tensor, mask: Tensor | None = None) -> Tensor:
-    """The branch over packed rows, each document from the initial memory: documents are gathered into a
-    right-padded batch ``(documents, longest, D)`` with a store mask, run in one call, and scattered back. ``mask``
-    (B, T): the rows' own padding (a pad belongs to the document before it and is never stored)."""
-    b, t, d = x.shape
-    doc = starts.long().cumsum(1) - 1  # document index within its row
-    per_row = doc[:, -1] + 1
-    first = torch.cumsum(per_row, 0) - per_row
-    idx = torch.arange(t, device=x.device).expand(b, t)
-    offset = idx - torch.cummax(torch.where(starts, idx, 0), 1).values  # position within its document
-    n_docs, longest = int(per_row.sum()), int(offset.max()) + 1  # host syncs: the batch shape
-    slot = ((doc + first[:, None]) * longest + offset).reshape(-1)
-    xs = x.new_zeros(n_docs * longest, d).index_copy(0, slot, x.reshape(-1, d))
-    keep = x.new_zeros(n_docs * longest)
-    keep = keep.index_fill_(0, slot, 1.0) if mask is None else keep.index_copy_(0, slot, mask.reshape(-1).to(x.dtype))
-    delta, _ = branch(xs.view(n_docs, longest, d), None, keep.view(n_docs, longest))
-    return delta.reshape(-1, d).index_select(0, slot).view(b, t, d)
 
 
 def _layer_mask(info: _LayerInfo, x: Tensor) -> Tensor | None:

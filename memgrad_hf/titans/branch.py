@@ -64,3 +64,29 @@ class GatedMemoryBranch(nn.Module):
             h = x.to(self.gate.weight.dtype)
         retrieved, state = self.memory(h, state, mask)
         return (torch.sigmoid(self.gate(h)) * self.out(retrieved)).to(x.dtype), state
+
+
+def run_packed_documents(branch: nn.Module, x: Tensor, starts: Tensor, mask: Tensor | None = None) -> Tensor:
+    """The branch over packed rows, each document from the initial memory: documents are gathered into a
+    right-padded batch ``(documents, longest, D)`` with a store mask, run in one call, and scattered back. ``mask``
+    (B, T): the rows' own padding (a pad belongs to the document before it and is never stored). ``branch``: a
+    :class:`GatedMemoryBranch`, or PEFT's wrapper of one (called, so that the wrapper picks the adapter's copy).
+
+    Example::
+
+        starts = torch.tensor([[True, False, False, True, False]])   # two documents packed in one row
+        delta = run_packed_documents(layer.titans_memory, x, starts)   # (1, 5, D); the second restarts the memory
+    """
+    b, t, d = x.shape
+    doc = starts.long().cumsum(1) - 1  # document index within its row
+    per_row = doc[:, -1] + 1
+    first = torch.cumsum(per_row, 0) - per_row
+    idx = torch.arange(t, device=x.device).expand(b, t)
+    offset = idx - torch.cummax(torch.where(starts, idx, 0), 1).values  # position within its document
+    n_docs, longest = int(per_row.sum()), int(offset.max()) + 1  # host syncs: the batch shape
+    slot = ((doc + first[:, None]) * longest + offset).reshape(-1)
+    xs = x.new_zeros(n_docs * longest, d).index_copy(0, slot, x.reshape(-1, d))
+    keep = x.new_zeros(n_docs * longest)
+    keep = keep.index_fill_(0, slot, 1.0) if mask is None else keep.index_copy_(0, slot, mask.reshape(-1).to(x.dtype))
+    delta, _ = branch(xs.view(n_docs, longest, d), None, keep.view(n_docs, longest))
+    return delta.reshape(-1, d).index_select(0, slot).view(b, t, d)

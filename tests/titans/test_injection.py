@@ -663,9 +663,9 @@ def test_packed_documents_each_start_from_a_fresh_memory(checkpointing):
 
 
 def test_packed_documents_over_several_rows_equal_each_document_alone():
-    from memgrad_hf.patches.titans import _packed_documents
     from memgrad_hf.patches.titans_masks import document_starts as _document_starts
     from memgrad_hf.titans import GatedMemoryBranch
+    from memgrad_hf.titans.branch import run_packed_documents
 
     torch.manual_seed(0)
     branch = GatedMemoryBranch(16, heads=2, chunk_size=4, max_lr=0.5).double()
@@ -673,7 +673,7 @@ def test_packed_documents_over_several_rows_equal_each_document_alone():
     lengths = [[6, 3, 5], [2, 9, 3]]  # two rows of 14 tokens, three documents each
     pos = torch.tensor([[i for n in row for i in range(n)] for row in lengths])
     x = torch.randn(2, 14, 16, dtype=torch.float64)
-    out = _packed_documents(branch, x, _document_starts(pos))
+    out = run_packed_documents(branch, x, _document_starts(pos))
     for r, row in enumerate(lengths):
         s = 0
         for n in row:
