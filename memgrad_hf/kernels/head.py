@@ -581,3 +581,29 @@ def fused_cross_entropy(
             del dcap
             _accumulate(du, rows, h, weight, None if dx is None else dx[s:e], dw, db, first=s == 0)
     return loss, dx, dw, db
+
+
+def fold_column_ops(weight: Tensor, bias: Tensor | None, column_ops: list[tuple[str, Tensor]],
+                    ) -> tuple[Tensor, Tensor | None]:
+    """Fold per-vocabulary-column ``("mul", S)`` / ``("add", C)`` ops applied to the logits, in order, into the head:
+    ``(h Wᵀ + b) ⊙ S + C == h (S ⊙ W)ᵀ + (S ⊙ b + C)``, differentiable in ``W``, ``b``, ``S`` and ``C``. A bias
+    alone leaves the weight itself (the parameter) to the kernels.
+
+    Example::
+
+        w2, b2 = fold_column_ops(w, None, [("mul", scale), ("add", offset)])
+        # h @ w2.T + b2 == (h @ w.T) * scale + offset
+    """
+    scale = add = None
+    for op, t in column_ops:
+        t = t.reshape(-1).float()
+        if op == "mul":
+            scale, add = (t if scale is None else scale * t), (None if add is None else add * t)
+        else:
+            add = t if add is None else add + t
+    if scale is not None:
+        weight = (weight.float() * scale[:, None]).to(weight.dtype)
+        bias = None if bias is None else (bias.float() * scale).to(bias.dtype)
+    if add is not None:
+        bias = add.to(weight.dtype) if bias is None else (bias.float() + add).to(bias.dtype)
+    return weight, bias

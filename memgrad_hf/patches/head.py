@@ -31,6 +31,7 @@ from torch import nn
 
 from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.functional import check_chunk_size, linear_cross_entropy
+from memgrad_hf.kernels import head as K
 from memgrad_hf.patches.probe import Chain, LogitsProbe
 
 _ATTR = "_memgrad_head"
@@ -326,19 +327,8 @@ def head_operands(head: nn.Module, hidden: torch.Tensor, owner: str, chain: Chai
     traced head module's ``F.linear`` received (``_Capture.linear``)."""
     h, weight, bias = resolve_head(head, hidden, owner) if linear is None else (hidden, *linear)
     _require_whole(weight, owner)
-    if chain.column_ops:  # (h Wᵀ + b) ⊙ S + C  ==  h (S ⊙ W)ᵀ + (S ⊙ b + C), differentiable in W, b, S and C
-        scale = add = None
-        for op, t in chain.column_ops:
-            t = t.reshape(-1).float()
-            if op == "mul":
-                scale, add = (t if scale is None else scale * t), (None if add is None else add * t)
-            else:
-                add = t if add is None else add + t
-        if scale is not None:  # (only then a new weight: a bias alone leaves the parameter itself to the kernels)
-            weight = (weight.float() * scale[:, None]).to(weight.dtype)
-            bias = None if bias is None else (bias.float() * scale).to(bias.dtype)
-        if add is not None:
-            bias = add.to(weight.dtype) if bias is None else (bias.float() + add).to(bias.dtype)
+    if chain.column_ops:
+        weight, bias = K.fold_column_ops(weight, bias, chain.column_ops)
     if chain.vocab_limit is not None:
         weight = weight[: chain.vocab_limit]
         bias = None if bias is None else bias[: chain.vocab_limit]
