@@ -318,75 +318,14 @@ class _PatchedForward:
 
 
 def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The decoder layer's forward plus its memory branch: ``layer(x) + branch(x)``, the memory state carried in the
+    KV cache when there is one (generation), else started afresh (training; packed documents each from a fresh
+    memory)."""
     info: _LayerInfo = getattr(self, _LAYER_ATTR)
-    x = args[0] if args else kwargs.get("hidden_states")
-    name = type(self).__name__
-    if not isinstance(x, Tensor):
-        raise UnsupportedModelError(
-            f"Titans memory on {name}: the layer was not called with hidden states as its first argument."
-        )
-    dim = next(m.dim for m in getattr(self, BRANCH_ATTR).modules() if isinstance(m, NeuralMemory))
-    if x.dim() != 3 or x.shape[-1] != dim:
-        raise UnsupportedModelError(
-            f"Titans memory on {name}: its hidden states have shape {tuple(x.shape)}, but the memory takes "
-            f"(batch, tokens, hidden_size={dim}). Models that carry several residual streams through their layers "
-            "(hyper-connections, AltUp) or a width other than hidden_size are not supported."
-        )
+    x = _layer_input(self, args, kwargs)
     checkpointing = _checkpointing(self)
-    cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), None)
-    if cache is None and info.cache_pos is not None and len(args) > info.cache_pos:
-        cache = args[info.cache_pos]
-    if checkpointing and not getattr(self, "_can_checkpoint_with_cache", False):
-        cache = None  # transformers drops the KV cache of a checkpointed layer too: the memory starts afresh
-    elif cache is None and kwargs.get("use_cache"):
-        raise UnsupportedModelError(
-            f"Titans memory on {name}: called with use_cache=True but no transformers Cache reached the layer (the "
-            "model keeps a state of its own), so the memory state cannot follow it. Run the model uncached: "
-            "model(..., use_cache=False), generate(..., use_cache=False) (training uses no cache)."
-        )
-    own = next((kwargs[n] for n in _STATE_NAMES if kwargs.get(n) is not None), None)
-    if own is None and info.state_pos is not None and len(args) > info.state_pos:
-        own = args[info.state_pos]
-    if own is not None:
-        raise UnsupportedModelError(
-            f"Titans memory on {name}: the layer was handed a recurrent state of the model's own "
-            f"({type(own).__name__}: a cached call, or a long sequence the model splits into chunks), which the "
-            "memory state cannot follow. Run the model uncached, on whole sequences: model(..., use_cache=False), "
-            "generate(..., use_cache=False) (training uses neither)."
-        )
-    entry = None
-    state = None
-    if cache is not None:
-        if not callable(getattr(cache, "get_seq_length", None)):
-            raise UnsupportedModelError(
-                f"Titans memory on {name}: past_key_values is a {type(cache).__name__}; a transformers Cache "
-                "(e.g. DynamicCache) is needed to carry the memory state."
-            )
-        past = _cache_length(cache, info.cache_index, x.shape[1])  # read before the layer writes its keys/values
-        states = _cache_states(cache)
-        entry = states.get(info.index)
-        if past > 0:
-            if entry is None or entry.state is None:
-                raise ValueError(
-                    f"Titans memory on layer {info.index}: the cache already holds {past} tokens but no memory state "
-                    "for this layer (it was filled by the model without Titans, or under gradient checkpointing). "
-                    "Start from an empty cache."
-                )
-            seen = entry.state.seq_index
-            if seen > past and seen % past == 0:  # the same multiple at every call: streams, not an edit
-                raise UnsupportedModelError(
-                    f"Titans memory on layer {info.index} ({name}): the layer saw {seen} positions for the {past} "
-                    f"tokens its cache holds, {seen // past} per token (several streams through one layer, as in "
-                    "ProphetNet's n-gram decoder), so the memory state cannot follow the cache. Run the model "
-                    "uncached: model(..., use_cache=False), generate(..., use_cache=False) (training uses no cache)."
-                )
-            if seen != past:
-                raise ValueError(
-                    f"Titans memory on layer {info.index}: the cache holds {past} tokens but the memory has seen "
-                    f"{seen}; the cache was changed outside the model (cropped or edited)."
-                )
-            state = entry.state
-        entry = states[info.index] = _CachedState(None, _branch_heads(self))
+    cache = _layer_cache(self, info, args, kwargs, checkpointing)
+    entry, state = (None, None) if cache is None else _cached_memory_state(self, info, cache, x)
     if info.previous_forward is not None:
         out = info.previous_forward(*args, **kwargs)
     else:
@@ -407,6 +346,96 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         delta, new_state = branch(x, state, mask)
     if entry is not None:
         entry.state = new_state
+    return _add_to_output(out, delta, x, type(self).__name__)
+
+
+def _layer_input(layer: nn.Module, args: tuple, kwargs: dict) -> Tensor:
+    """The layer call's hidden states, ``(batch, tokens, hidden_size)``, or a refusal naming what the model passes."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    name = type(layer).__name__
+    if not isinstance(x, Tensor):
+        raise UnsupportedModelError(
+            f"Titans memory on {name}: the layer was not called with hidden states as its first argument."
+        )
+    dim = _memory_of(layer).dim
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise UnsupportedModelError(
+            f"Titans memory on {name}: its hidden states have shape {tuple(x.shape)}, but the memory takes "
+            f"(batch, tokens, hidden_size={dim}). Models that carry several residual streams through their layers "
+            "(hyper-connections, AltUp) or a width other than hidden_size are not supported."
+        )
+    return x
+
+
+def _layer_cache(layer: nn.Module, info: _LayerInfo, args: tuple, kwargs: dict, checkpointing: bool) -> Any:
+    """The transformers Cache the layer call carries (None: the memory starts afresh); a model's own recurrent
+    state, which the memory cannot follow, is refused."""
+    name = type(layer).__name__
+    cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), None)
+    if cache is None and info.cache_pos is not None and len(args) > info.cache_pos:
+        cache = args[info.cache_pos]
+    if checkpointing and not getattr(layer, "_can_checkpoint_with_cache", False):
+        cache = None  # transformers drops the KV cache of a checkpointed layer too: the memory starts afresh
+    elif cache is None and kwargs.get("use_cache"):
+        raise UnsupportedModelError(
+            f"Titans memory on {name}: called with use_cache=True but no transformers Cache reached the layer (the "
+            "model keeps a state of its own), so the memory state cannot follow it. Run the model uncached: "
+            "model(..., use_cache=False), generate(..., use_cache=False) (training uses no cache)."
+        )
+    own = next((kwargs[n] for n in _STATE_NAMES if kwargs.get(n) is not None), None)
+    if own is None and info.state_pos is not None and len(args) > info.state_pos:
+        own = args[info.state_pos]
+    if own is not None:
+        raise UnsupportedModelError(
+            f"Titans memory on {name}: the layer was handed a recurrent state of the model's own "
+            f"({type(own).__name__}: a cached call, or a long sequence the model splits into chunks), which the "
+            "memory state cannot follow. Run the model uncached, on whole sequences: model(..., use_cache=False), "
+            "generate(..., use_cache=False) (training uses neither)."
+        )
+    if cache is not None and not callable(getattr(cache, "get_seq_length", None)):
+        raise UnsupportedModelError(
+            f"Titans memory on {name}: past_key_values is a {type(cache).__name__}; a transformers Cache "
+            "(e.g. DynamicCache) is needed to carry the memory state."
+        )
+    return cache
+
+
+def _cached_memory_state(layer: nn.Module, info: _LayerInfo, cache: Any, x: Tensor,
+                         ) -> tuple[_CachedState, NeuralMemState | None]:
+    """``(the cache's entry for this layer, the memory state to continue from)``: the state must have seen exactly
+    the tokens the cache holds (read before the layer writes its keys/values); the entry gets the new state."""
+    name = type(layer).__name__
+    past = _cache_length(cache, info.cache_index, x.shape[1])
+    states = _cache_states(cache)
+    entry = states.get(info.index)
+    state = None
+    if past > 0:
+        if entry is None or entry.state is None:
+            raise ValueError(
+                f"Titans memory on layer {info.index}: the cache already holds {past} tokens but no memory state "
+                "for this layer (it was filled by the model without Titans, or under gradient checkpointing). "
+                "Start from an empty cache."
+            )
+        seen = entry.state.seq_index
+        if seen > past and seen % past == 0:  # the same multiple at every call: streams, not an edit
+            raise UnsupportedModelError(
+                f"Titans memory on layer {info.index} ({name}): the layer saw {seen} positions for the {past} "
+                f"tokens its cache holds, {seen // past} per token (several streams through one layer, as in "
+                "ProphetNet's n-gram decoder), so the memory state cannot follow the cache. Run the model "
+                "uncached: model(..., use_cache=False), generate(..., use_cache=False) (training uses no cache)."
+            )
+        if seen != past:
+            raise ValueError(
+                f"Titans memory on layer {info.index}: the cache holds {past} tokens but the memory has seen "
+                f"{seen}; the cache was changed outside the model (cropped or edited)."
+            )
+        state = entry.state
+    entry = states[info.index] = _CachedState(None, _branch_heads(layer))
+    return entry, state
+
+
+def _add_to_output(out: Any, delta: Tensor, x: Tensor, name: str) -> Any:
+    """The layer's output with ``delta`` added to its hidden states (a tensor, or the first of a tuple/list)."""
     hidden = out if isinstance(out, Tensor) else out[0] if isinstance(out, (tuple, list)) else None
     if not isinstance(hidden, Tensor) or hidden.shape != x.shape:
         raise UnsupportedModelError(
@@ -444,9 +473,13 @@ def _mask_reader(model: nn.Module, layers_path: str) -> str:
     return owner if takes_mask else ""
 
 
-def _branch_heads(self: nn.Module) -> int:
-    # modules(), not .memory: the branch may sit in a PEFT ModulesToSaveWrapper (all copies have the same heads)
-    return next(m.heads for m in getattr(self, BRANCH_ATTR).modules() if isinstance(m, NeuralMemory))
+def _memory_of(layer: nn.Module) -> NeuralMemory:
+    # modules(), not .memory: the branch may sit in a PEFT ModulesToSaveWrapper (all copies have the same shape)
+    return next(m for m in getattr(layer, BRANCH_ATTR).modules() if isinstance(m, NeuralMemory))
+
+
+def _branch_heads(layer: nn.Module) -> int:
+    return _memory_of(layer).heads
 
 
 # ------------------------------------------------------------------------------------------ public entry points
