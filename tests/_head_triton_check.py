@@ -137,6 +137,15 @@ def end_to_end(dev):
                     *torch.autograd.grad((lp * 0.3).sum() + ent.sum(), (x, w))))
     os.environ.pop("MEMGRAD_BACKEND")
     err = max(err, max(rel(a, b) for a, b in zip(res[1], res[0], strict=True)))
+    # strided targets (labels[:, ::2] of one row): the kernels read per-row inputs at stride 1 and read other ids
+    x1, y1 = x[0].detach().requires_grad_(), torch.randint(0, 200, (18,), generator=g).to(dev)[::2]
+    res = []
+    for backend in ("torch", "triton"):
+        os.environ["MEMGRAD_BACKEND"] = backend
+        loss = linear_cross_entropy(x1, w, y1) + linear_logprobs(x1, w, y1, return_entropy=True)[1].sum()
+        res.append((loss, *torch.autograd.grad(loss, (x1, w))))
+    os.environ.pop("MEMGRAD_BACKEND")
+    err = max(err, max(rel(a, b) for a, b in zip(res[1], res[0], strict=True)))
     # several token chunks, the Triton forward's (backward chunk + hidden: 384 tokens) larger than its backward's
     # (256): both walks must cover every token once
     x = torch.randn(600, 128, generator=g).to(dev).requires_grad_()

@@ -190,6 +190,7 @@ def fused_cross_entropy(
     ``(loss, dX, dW, db)``. The logits block and ``dL/du`` live in the weight's dtype (as ``nn.Linear``'s logits
     and autograd's logit gradient do); every row reduction is fp32."""
     n, vocab = hidden.shape[0], weight.shape[0]
+    targets = targets.contiguous()  # the kernels read per-row inputs at stride 1 (labels[:, ::2] is a strided view)
     want_grad = need_dx or need_dw or need_db
     dx = torch.empty_like(hidden) if need_dx else None
     # an fp32 accumulator for low-precision weights is zeroed and summed into (tensor-core GEMMs with fp32 output)
@@ -322,6 +323,7 @@ def head_stats(
     """Same contract as the torch twin :func:`memgrad_hf.kernels.head.head_stats`: per chunk of tokens one logits
     GEMM, then one stats launch over (rows, column splits); the splits are combined once at the end."""
     n, vocab = hidden.shape[0], weight.shape[0]
+    targets = targets.contiguous()  # (per-row inputs are read at stride 1)
     flags = {"entropy": need_entropy, "zmean": need_zmean, "sumsq": need_sumsq, "top1": need_top1}
     want = frozenset(k for k, v in flags.items() if v)
     chunk = min(n, chunk_size)
@@ -342,6 +344,7 @@ def head_stats(
 
 def _grad_rows(u: Tensor, col0: int, targets: Tensor, lse: Tensor, coef: list[Tensor | None], ep: Epilogue) -> None:
     alpha, beta, gamma, delta = (None if c is None else c.to(torch.float32).contiguous() for c in coef)
+    targets, lse = targets.contiguous(), lse.contiguous()  # (per-row inputs are read at stride 1)
     block = min(_GRAD_BLOCK, triton.next_power_of_2(u.shape[1]))
     _grad_rows_kernel[(u.shape[0], -(-u.shape[1] // block))](
         u, u.stride(0), u.shape[1], col0, targets, lse, alpha,
