@@ -251,7 +251,7 @@ def _forge_linear_kernel(
         else:  # AdamW
             w = w * (1.0 - lr * wd)
             v = _load_state(v_ptr, vs_ptr, soffs, sblk, smask, mask, V_KIND, True, BM, BN, 64)
-            m = m + (g - m) * omb1  # lerp, as torch's lerp_ (an FMA on CPU)
+            m = m + (g - m) * omb1  # torch's lerp_ formula for weights < 0.5 (beta1 > 0.5; ulp-level otherwise)
             v = v * beta2 + omb2 * g * g
             denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
             w = w + tl.div_rn(-(lr / bc1) * m, denom)
