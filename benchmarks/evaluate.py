@@ -8,13 +8,12 @@ process (over the loaded model and data); time round-robin; the two ``eval_loss`
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
-from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions
+from benchmarks.harness import Case, bench_parser, machine, peak_added_mib, time_interleaved, versions
 
 PEERS = ("stock", "patched")
 
@@ -50,16 +49,9 @@ def run(s: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="memgrad-hf bench evaluate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=512)
+    p = bench_parser("evaluate", __doc__, vocab=32768, hidden=256, layers=2, batch=8, seq=512)
     p.add_argument("--rows", type=int, default=16, help="evaluation examples")
     p.add_argument("--label_smoothing", type=float, default=0.0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)

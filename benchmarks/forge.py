@@ -8,7 +8,6 @@ this process (each run builds a fresh Trainer).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import statistics
@@ -17,7 +16,7 @@ import time
 
 import torch
 
-from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions, warm_libraries
+from benchmarks.harness import Case, bench_parser, machine, peak_added_mib, time_interleaved, versions, warm_libraries
 from memgrad_hf import memory
 
 CONFIGS = {
@@ -219,17 +218,10 @@ def run(s: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="memgrad-hf bench forge", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
+    p = bench_parser("forge", __doc__, hidden=512, layers=8, vocab=32000, batch=2, seq=128)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--bf16", action="store_true", help="bf16 model weights")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true",

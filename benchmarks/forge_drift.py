@@ -14,14 +14,13 @@ Trained on the built-in text with a character tokenizer (no download).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
 from benchmarks.forge import llama_config
-from benchmarks.harness import machine, versions
+from benchmarks.harness import bench_parser, machine, versions
 
 CONFIGS = {
     "adamw_torch": dict(optim="adamw_torch"),
@@ -94,12 +93,7 @@ def _distance(a: dict, b: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="memgrad-hf bench forge_drift", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8)
+    p = bench_parser("forge_drift", __doc__, hidden=256, layers=4, seq=64, batch=8, device=False)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)

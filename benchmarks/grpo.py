@@ -12,7 +12,6 @@ token accuracy), ``kto`` for the mean logit.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -21,6 +20,7 @@ import torch
 from benchmarks.harness import (
     FRESH_HELP,
     Case,
+    bench_parser,
     machine,
     peak_added_mib,
     print_peer_table,
@@ -77,14 +77,10 @@ def run(s: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="memgrad-hf bench grpo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("grpo", __doc__, hidden=896, vocab=151936)
     p.add_argument("--completions", type=int, default=8)
     p.add_argument("--length", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=896)
-    p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)

@@ -18,12 +18,11 @@ round-robin.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
-from benchmarks.harness import Case, machine, peak_added_mib, print_peer_table, time_interleaved, versions
+from benchmarks.harness import Case, bench_parser, machine, peak_added_mib, print_peer_table, time_interleaved, versions
 
 PEERS = ("adamw_torch", "forge_adamw_whole_head", "forge_adamw")
 
@@ -70,17 +69,12 @@ def run(s: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="memgrad-hf bench grpo_step", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("grpo_step", __doc__, layers=1, hidden=896, vocab=151936)
     p.add_argument("--completions", type=int, default=8)
     p.add_argument("--length", type=int, default=256)
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--hidden", type=int, default=896)
-    p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--steps", type=int, default=2, help="steps per run (the first creates the optimizer state)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 turns clipping off")
     p.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)

@@ -13,6 +13,7 @@ measured work. Both must be importable top-level functions (they are pickled by 
 
 from __future__ import annotations
 
+import argparse
 import gc
 import multiprocessing as mp
 import os
@@ -38,6 +39,18 @@ class Case:
 
 FRESH_HELP = ("on a GPU, read each configuration's peak memory in a fresh process (as every run before run G did) "
               "instead of in this one")
+
+
+def bench_parser(name: str, doc: str | None, *, device: bool = True, **sizes: int) -> argparse.ArgumentParser:
+    """The parser of ``memgrad-hf bench <name>``: an int option per model size given (``vocab=32768`` ->
+    ``--vocab``, with that default) and ``--device`` (the GPU where there is one)."""
+    p = argparse.ArgumentParser(prog=f"memgrad-hf bench {name}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    for size, default in sizes.items():
+        p.add_argument(f"--{size}", type=int, default=default)
+    if device:
+        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p
 
 
 def _measure(case: Case, device: str, threads: int) -> dict:

@@ -10,13 +10,12 @@ per ``train()`` round-robin; the final training losses side by side (same number
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
-from benchmarks.harness import Case, machine, peak_added_mib, time_interleaved, versions
+from benchmarks.harness import Case, bench_parser, machine, peak_added_mib, time_interleaved, versions
 
 PEERS = ("stock", "patched", "patched+forge")
 
@@ -58,18 +57,11 @@ def run(s: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="memgrad-hf bench masked_lm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vocab", type=int, default=50368)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=512)
+    p = bench_parser("masked_lm", __doc__, vocab=50368, hidden=256, layers=2, batch=8, seq=512)
     p.add_argument("--steps", type=int, default=2, help="Trainer steps per run")
     p.add_argument("--mask-rate", type=float, default=0.3, help="share of positions that are targets")
     p.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
     p.add_argument("--bf16", action="store_true", help="Trainer's bf16 mixed precision (fp32 weights)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
