@@ -327,6 +327,20 @@ def aligned_block(rows: int) -> int:
     return max(16, rows - rows % (128 if rows >= 128 else 16))
 
 
+def _walk_rows(n: int, vocab: int, hidden: int, block_bytes: int | None = None,
+               weight_block_bytes: int | None = None) -> int:
+    """Vocabulary rows per block of :func:`head_backward_vocab_blocks` for ``n`` tokens."""
+    block_bytes, weight_block_bytes = block_bytes or (32 << 20), weight_block_bytes or (4 << 20)
+    return aligned_block(min(vocab, block_bytes // max(4 * n, 1), weight_block_bytes // max(4 * hidden, 1)))
+
+
+def vocab_walk_bytes(n: int, vocab: int, hidden: int) -> int:
+    """What :func:`head_backward_vocab_blocks` allocates at once for ``n`` tokens (fp32): one ``[n x block]`` logits
+    block and one ``[block x hidden]`` weight-gradient block (at most 32 + 4 MiB)."""
+    rows = min(vocab, _walk_rows(n, vocab, hidden))
+    return 4 * rows * (n + hidden)
+
+
 def _dw_buffer(weight: Tensor, n: int, dtype: torch.dtype) -> Tensor:
     """Weight-gradient accumulator; left uninitialized when the first chunk writes it (``_accumulate(first=True)``)."""
     make = torch.empty if n > 0 else torch.zeros
@@ -494,8 +508,7 @@ def head_backward_vocab_blocks(
     (``[vocab x hidden]``, the weight's dtype) each block's gradient is formed in ``dw_out[v0:v1]``, the view the
     callback then receives (no copy)."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    block_bytes, weight_block_bytes = block_bytes or (32 << 20), weight_block_bytes or (4 << 20)
-    vb = aligned_block(min(vocab, block_bytes // max(4 * n, 1), weight_block_bytes // max(4 * hidden.shape[1], 1)))
+    vb = _walk_rows(n, vocab, hidden.shape[1], block_bytes, weight_block_bytes)
     dx = torch.zeros(hidden.shape, dtype=compute_dtype(weight), device=hidden.device) if need_dx else None
     lp = not full_precision(weight)
     for v0 in range(0, vocab, vb):

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from memgrad_hf.kernels import default_backend, forced_backend
 from memgrad_hf.kernels import forge as K
+from memgrad_hf.kernels.head import vocab_walk_bytes
 from memgrad_hf.optim import forge_ops
 from memgrad_hf.optim.forge_checks import (
     RESULT_OPTIONS,
@@ -694,7 +695,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         if torch.is_grad_enabled():
             self._note_use(weight, consume)
 
-        consume.hold = self._hold_head_grad(weight)  # type: ignore[attr-defined]  (read by the head patch)
+        consume.hold = functools.partial(self._hold_head_grad, weight)  # type: ignore[attr-defined]  (the head's call)
         # a recording norm pass (clip_pass="replay") keeps the head's block walk, replayed once the norm is known;
         # or, where the blocks fit under the peak so far (as a linear layer's tiles), the blocks themselves: the
         # replay then applies them instead of recomputing the logits
@@ -704,15 +705,17 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                                 and self._may_keep(weight))
         return consume
 
-    def _hold_head_grad(self, weight: Tensor) -> bool:
-        """Whether the chunked head holds the gradient it computed in forward. ``"auto"``: on the torch path (CPU),
-        when that fp32 buffer is no larger than the blocks recomputing would allocate anyway — the same memory for
-        the head's usual flops (a hidden-256 head at vocab 32768, 2048 tokens, fp32 on CPU: 0.45 s forward + backward
-        held against 0.88 s recomputed, whose extra GEMM has a 256-deep contraction, the slowest shape there). On a
-        GPU (Triton head) recompute, until measured there."""
+    def _hold_head_grad(self, weight: Tensor, tokens: int | None = None) -> bool:
+        """Whether the chunked head holds the gradient it computed in forward for a loss over ``tokens`` positions.
+        ``"auto"``: on the torch path (CPU), when that fp32 buffer is no larger than the blocks recomputing would
+        allocate anyway for that many tokens (``tokens=None``: at most 36 MiB) — the same memory for the head's usual
+        flops (a hidden-256 head at vocab 32768, 2048 tokens, fp32 on CPU: 0.45 s forward + backward held against
+        0.88 s recomputed, whose extra GEMM has a 256-deep contraction, the slowest shape there; at 64 tokens the
+        held buffer was 15 MB over recomputing's blocks). On a GPU (Triton head) recompute, until measured there."""
         if self.head_grad != "auto":
             return self.head_grad == "hold"
-        return default_backend("head", weight.device) == "torch" and 4 * weight.numel() <= _HOLD_MAX_BYTES
+        room = _HOLD_MAX_BYTES if tokens is None else vocab_walk_bytes(tokens, weight.shape[0], weight.shape[1])
+        return default_backend("head", weight.device) == "torch" and 4 * weight.numel() <= room
 
     def _weight_step_impl(self, weight: Tensor):
         """The Triton kernel on CUDA (fp32, bf16 or 8-bit state; nearest or stochastic rounding: the same noise as

@@ -361,7 +361,7 @@ def _chunked_cross_entropy(head: nn.Module, cap: _Capture, patch: HeadPatch, cha
     # its gradient in vocabulary blocks in backward, and a held one would be rounded otherwise.
     low = weight.dtype in (torch.bfloat16, torch.float16) or (
         torch.is_autocast_enabled(h.device.type) and torch.get_autocast_dtype(h.device.type) != torch.float32)
-    hold = getattr(consumer, "hold", False) and not low
+    hold = callable(getattr(consumer, "hold", None)) and not low and consumer.hold(targets.numel())
     return linear_cross_entropy(
         h, weight, targets, bias=bias, softcap=softcap, logit_scale=scale, chunk_size=patch.chunk_size,
         accum_dtype=patch.accum_dtype, weight_grad_consumer=consumer,

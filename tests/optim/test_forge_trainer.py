@@ -170,7 +170,9 @@ def test_head_grad_auto_holds_only_small_heads_on_the_torch_path(monkeypatch):
     opt = ForgeAdamW(model.parameters(), model=model, lr=1e-3)
     small, big = model.lm_head.weight, torch.empty(40_000, 256)  # 13 KB and 41 MB of fp32 gradient
     assert opt.head_grad == "auto" and opt._hold_head_grad(small) and not opt._hold_head_grad(big)
-    assert opt._head_weight_consumer(small).hold  # what the head patch reads
+    assert opt._head_weight_consumer(small).hold(4096)  # what the head patch calls, with its tokens
+    mid = torch.empty(32768, 256)  # 32 MiB: held for 4096 tokens (recomputing's blocks: 36 MB), not for 64 (5 MB)
+    assert opt._hold_head_grad(mid, tokens=4096) and not opt._hold_head_grad(mid, tokens=64)
     for mode, want in (("hold", True), ("recompute", False)):
         opt.head_grad = mode
         assert opt._hold_head_grad(small) is want and opt._hold_head_grad(big) is want
