@@ -117,7 +117,9 @@ class MemoryReportCallback(TrainerCallback):
             return True
         if not self._said_uncounted:  # once per run, not at every log
             logger.warning("MemoryReportCallback: tokens_per_s is left out: the training batches carry no "
-                           "`input_ids` to count (set the model's `main_input_name` to the batch key that holds them).")
+                           "`input_ids` to count. Setting the model's `main_input_name` to a key shaped [batch, "
+                           "tokens] (e.g. 'attention_mask') makes the Trainer count them; not 'inputs_embeds', whose "
+                           "every element would count as a token.")
             self._said_uncounted = True
         return False
 

@@ -106,10 +106,17 @@ def add_fused_lm_head(
                 raise ValueError(
                     f"fused_lm_head=True: labels cover {labels.shape[-1]} positions and the model returned "
                     f"{hidden.shape[1]}: pass the unshifted labels, as long as input_ids (the model shifts them; "
-                    "-100 where not scored), or the already shifted ones as shift_labels=."
+                    "-100 where not scored), or the already shifted ones as shift_labels= (as long as input_ids: "
+                    "labels[..., 1:] with -100 appended)."
                 )
             hidden, targets = hidden[:, :-1], labels[:, 1:]
         else:
+            if shift_labels.shape[-1] != hidden.shape[1]:
+                raise ValueError(
+                    f"fused_lm_head=True: shift_labels cover {shift_labels.shape[-1]} positions and the model returned "
+                    f"{hidden.shape[1]}: shift_labels are as long as input_ids (labels[..., 1:] with -100 appended, as "
+                    "transformers builds them)."
+                )
             targets = shift_labels
         head = self.get_output_embeddings()
         weight_device = next(head.parameters()).device

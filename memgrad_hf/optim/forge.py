@@ -165,7 +165,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                 "the parameters)."
             )
         refuse_distributed(model)
-        check_torch_options(type(self).__name__, torch_options)
+        check_torch_options(type(self).__name__, torch_options, ("model", *defaults))
         state_dtype = parse_state_dtype(state_dtype)
         super().__init__(params, defaults)
         note_low_precision_weights(self.param_groups, state_dtype)

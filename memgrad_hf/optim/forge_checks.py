@@ -54,11 +54,11 @@ def check_flag(owner: str, name: str, value: Any) -> bool:
 def note_low_precision_weights(groups: list[dict[str, Any]], state_dtype: torch.dtype | None) -> None:
     """bf16/fp16 weights with (explicitly asked for) fp32 state hold twice the state ``adamw_torch`` holds for them
     (torch keeps state in the weights' dtype, as FORGE's default does): say so once, since users pick FORGE to save
-    memory."""
+    memory. Logged at INFO: the choice was explicit."""
     params = [p for g in groups for p in g["params"]]
     low = sum(p.numel() for p in params if p.dtype in (torch.bfloat16, torch.float16))
     if state_dtype == torch.float32 and low * 2 > sum(p.numel() for p in params):
-        log.warning(
+        log.info(
             "forge: the model's weights are bf16/fp16 and the optimizer state fp32 (more accurate, but twice the state "
             "torch.optim keeps for such weights); the default (state_dtype=auto) keeps bf16 state for them, as torch "
             "does, and optim_args='state_dtype=8bit' a quarter of it."
@@ -106,9 +106,10 @@ def refuse_distributed(model: nn.Module) -> None:
 RESULT_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")  # torch.optim options FORGE does not have
 
 
-def check_torch_options(owner: str, options: dict[str, Any]) -> None:
+def check_torch_options(owner: str, options: dict[str, Any], hyperparameters: tuple[str, ...] = ()) -> None:
     """``torch.optim`` keywords: implementation choices (``foreach``, ``fused``) are accepted (FORGE has its own
-    kernels); options that would change the result are refused when set."""
+    kernels); options that would change the result are refused when set. ``hyperparameters``: the optimizer's own,
+    named in the error for an unknown keyword (a misspelt ``momentum``)."""
     for key, value in options.items():
         if key in ("foreach", "fused"):
             continue
@@ -116,9 +117,10 @@ def check_torch_options(owner: str, options: dict[str, Any]) -> None:
             if value:
                 raise ValueError(f"{owner} does not support {key}=True (torch.optim's option); use torch.optim for it.")
             continue
+        own = f"its hyperparameters are {', '.join(hyperparameters)}; " if hyperparameters else ""
         raise TypeError(
-            f"{owner} got an unexpected keyword argument {key!r}; its options are max_grad_norm, clip, clip_pass, "
-            "state_dtype, stochastic_rounding, tile_bytes, head_grad, kernel (see its docstring)."
+            f"{owner} got an unexpected keyword argument {key!r}; {own}its FORGE options are max_grad_norm, clip, "
+            "clip_pass, state_dtype, stochastic_rounding, tile_bytes, head_grad, kernel (see its docstring)."
         )
 
 

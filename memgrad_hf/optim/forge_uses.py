@@ -20,6 +20,10 @@ from torch import Tensor, nn
 log = logging.getLogger("memgrad_hf.forge")
 
 
+_USED_TWICE = ("is used more than once before one backward (a layer called twice, as PEFT's DoRA calls its LoRA "
+               "layers; two forwards and one loss; or an earlier forward's graph kept without a backward)")
+
+
 class UseTracking:
     """The use-tracking part of :class:`memgrad_hf.optim.forge.ForgeOptimizer` (its state is set up there)."""
 
@@ -67,9 +71,7 @@ class UseTracking:
             return
         self.check_state_fits(weight)
         if weight not in self._shared and (self._pending(weight) or weight in self._segment_seen):
-            self._mark_shared(weight, "is used more than once before one backward (a layer called twice, two "
-                                      "forwards and one loss, or an earlier forward's graph kept without a backward)",
-                              fixed=False)
+            self._mark_shared(weight, _USED_TWICE, fixed=False)
         self._last_use[weight] = weakref.ref(node)
 
     def _note_compiled_use(self, weight: Tensor) -> None:
@@ -81,9 +83,7 @@ class UseTracking:
         self.check_state_fits(weight)
         n = self._compiled_uses.get(weight, 0)
         if weight not in self._shared and (n or self._pending(weight)):
-            self._mark_shared(weight, "is used more than once before one backward (a layer called twice, two "
-                                      "forwards and one loss, or an earlier forward's graph kept without a backward)",
-                              fixed=False)
+            self._mark_shared(weight, _USED_TWICE, fixed=False)
         self._compiled_uses[weight] = n + 1
 
     def _compiled_use_done(self, weight: Tensor) -> None:

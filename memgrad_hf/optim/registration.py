@@ -33,12 +33,12 @@ def _add_member(enum_cls: Any, name: str, value: str) -> Any:
     return member
 
 
-def _parse_bool(v: str) -> bool:
+def _parse_bool(v: str, key: str = "") -> bool:
     if v.lower() in ("1", "true", "yes", "on"):
         return True
     if v.lower() in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"expected a boolean in optim_args, got {v!r}")
+    raise ValueError(f"optim_args {key or 'value'} must be true or false (also 1/0, yes/no, on/off); got {v!r}.")
 
 
 def _parse_float(key: str, v: str) -> float:
@@ -102,13 +102,16 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
                 f"{value} (TrainingArguments(max_grad_norm={value})) instead."
             )
         elif key in ("stochastic_rounding", "bf16_stochastic_round"):
-            kwargs["stochastic_rounding"] = _parse_bool(value)
+            kwargs["stochastic_rounding"] = _parse_bool(value, key)
         elif key == "state_dtype":
             kwargs["state_dtype"] = value
         elif cls is ForgeSGD and key in ("momentum", "dampening"):
             kwargs[key] = _parse_float(key, value)
         elif cls is ForgeSGD and key == "nesterov":
-            kwargs["nesterov"] = _parse_bool(value)
+            kwargs["nesterov"] = _parse_bool(value, key)
+        elif cls is ForgeLion and key in ("eps", "epsilon", "adam_epsilon"):
+            raise ValueError(f"optim_args {key}: {name} has no epsilon (Lion steps by the sign of its update); "
+                             "remove it.")
         elif key in _TRAINER_HPARAMS and not (cls is ForgeSGD and key in _ADAM_ONLY):
             raise ValueError(
                 f"optim_args {key}: {name} takes this from the Trainer's own arguments, as adamw_torch does; set "

@@ -16,9 +16,9 @@ _ATTR = "_memgrad_forge"
 
 
 _FP16_AUTOCAST = (
-    "FORGE optimizers do not train under fp16 autocast: its GradScaler scales the loss, and FORGE applies the update "
-    "inside backward, before the scaler could unscale or skip it. Use bf16 autocast (torch.autocast(..., "
-    "dtype=torch.bfloat16); no scaler needed), or torch.optim.AdamW with the scaler."
+    "FORGE optimizers do not train under fp16 autocast: fp16 gradients need a GradScaler against underflow, and "
+    "FORGE applies the update inside backward, before a scaler could unscale or skip it. Use bf16 autocast "
+    "(torch.autocast(..., dtype=torch.bfloat16); no scaler needed), or torch.optim.AdamW with the scaler."
 )
 
 

@@ -456,7 +456,8 @@ def _patched_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if not patch.loss_warned:
                 patch.loss_warned = True
                 logger.warning("memgrad_hf: %s %s (set after patch_model): this model runs its stock forward with full "
-                               "logits from now on. Call memgrad_hf.unpatch_model(model) to say so explicitly.",
+                               "logits from now on. Call memgrad_hf.patch_model(model, head=False) to remove the "
+                               "chunked head explicitly (a Titans memory stays; unpatch_model removes everything).",
                                type(self).__name__, problem)
             chunked = False
     if not chunked:

@@ -163,13 +163,18 @@ def load_titans(model: nn.Module, path: str | os.PathLike, **hub_kwargs: Any) ->
             own[canon] = (key, param)
     missing = sorted(set(own) - set(tensors))
     unexpected = sorted(set(tensors) - set(own))
+    if unexpected and not missing and all(".fan." in f".{n}" for _, n in unexpected):
+        raise ValueError(f"load_titans: the checkpoint at {os.fspath(path)!r} holds FANs that the model's memories do "
+                         "not have; patch with TitansConfig(..., fan=True), or call load_titans on a model not yet "
+                         "patched to take the saved configuration.")
     if missing or unexpected:
         fmt = lambda ks: ", ".join(f"layers.{i}.{BRANCH_ATTR}.{n}" for i, n in ks[:6]) + (" ..." if len(ks) > 6 else "")
         raise ValueError(
             f"load_titans: the checkpoint at {os.fspath(path)!r} does not match the model's memory layers"
             + (f"; missing: {fmt(missing)}" if missing else "")
             + (f"; unexpected: {fmt(unexpected)}" if unexpected else "")
-            + "."
+            + ". Patch the model with the checkpoint's TitansConfig (its config.json's memgrad_titans), or call "
+            "load_titans on a model not yet patched to take the saved one."
         )
     with torch.no_grad():
         for canon, (key, param) in own.items():

@@ -70,6 +70,10 @@ def test_shift_labels_and_plain_forward_passthrough():
     assert torch.allclose(a.log_probs, b.log_probs, rtol=1e-5, atol=1e-6)
     plain = model(input_ids=ids, labels=ids)  # without the flag: the original forward, with logits
     assert plain.logits is not None and plain.logits.shape[-1] == VOCAB
+    # shift_labels one short (labels[:, 1:], what the labels error's hint was read as) is named, not an internal
+    # "token_ids shape must equal hidden's" error about arguments the caller never passed
+    with pytest.raises(ValueError, match="shift_labels cover 7 positions .* with -100 appended"):
+        model(input_ids=ids, shift_labels=shift[:, 1:], fused_lm_head=True)
 
 
 def test_logits_to_keep_and_return_dict_are_taken_as_trls_head_takes_them_and_bad_labels_are_named():

@@ -402,6 +402,14 @@ def test_fp16_and_bad_optim_args_are_refused(tmp_path):
         with pytest.raises(ValueError, match=f"optim_args {key}: .* set {flag}"):  # where it goes, not only "unknown"
             Trainer(model=model, args=_args(tmp_path, optim, optim_args=f"{key}=0.5"),
                     train_dataset=_data()).create_optimizer()
+    # Lion has no epsilon: it was sent to --adam_epsilon, which Lion ignores; a bad flag names its key
+    for optim_args, want in (("eps=1e-6", "forge_lion has no epsilon"),
+                             ("stochastic_rounding=maybe", "optim_args stochastic_rounding must be true or false")):
+        with pytest.raises(ValueError, match=want):
+            Trainer(model=model, args=_args(tmp_path, "forge_lion", optim_args=optim_args),
+                    train_dataset=_data()).create_optimizer()
+    with pytest.raises(TypeError, match="hyperparameters are model, lr, momentum"):  # a misspelt momentum
+        ForgeSGD(model.parameters(), model=model, momentm=0.9)
 
 
 def _steps_side_by_side(model, opt, ref, ref_opt, ids, steps: int) -> None:

@@ -453,8 +453,12 @@ def test_save_titans_separately_and_mismatch_errors(tmp_path):
     with torch.no_grad():
         assert torch.equal(fresh(ids).logits, patched)
     other = _patched(layers=(1,))
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(ValueError, match="does not match.*Patch the model with the checkpoint's TitansConfig"):
         load_titans(other, tmp_path)
+    # a checkpoint with FANs into memories without: the FAN fix is named (a bare key list before)
+    save_titans(_patched(layers=(0,), fan=True), tmp_path / "fan")
+    with pytest.raises(ValueError, match=r"holds FANs .* TitansConfig\(\.\.\., fan=True\)"):
+        load_titans(_patched(layers=(0,)), tmp_path / "fan")
     with pytest.raises(ValueError, match="no Titans memory"):
         save_titans(tiny_model("llama"), tmp_path)
     tiny_model("llama").save_pretrained(tmp_path / "bare")  # a checkpoint without memory
