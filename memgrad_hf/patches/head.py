@@ -629,9 +629,10 @@ def unpatch_head(model: nn.Module) -> bool:
         # would discard it, so memgrad's layer stays and passes every call through unchanged.
         patch.active = False
         logger.warning(
-            "unpatch_model: %s.forward was replaced after patch_model (%s); memgrad's chunked head now passes every "
-            "call through to the original forward, and the later forward is kept.",
-            type(model).__name__, getattr(current, "__qualname__", type(current).__name__))
+            "memgrad_hf: removing the chunked head: %s.forward was wrapped after patch_model (by %s: another "
+            "library's hook, e.g. accelerate's device dispatch or autocast, or TRL's fused head); memgrad's layer now "
+            "passes every call through to the original forward, and the later wrapper is kept.",
+            type(model).__name__, getattr(current, "__module__", None) or type(current).__name__)
         return True
     if patch.had_instance_forward:
         model.forward = patch.original
