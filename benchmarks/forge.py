@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p = bench_parser("forge", __doc__, hidden=512, layers=8, vocab=32000, batch=2, seq=128)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--bf16", action="store_true", help="bf16 model weights")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="CONFIG",
+                   help="configurations to run (default: all): " + ", ".join(CONFIGS))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true",

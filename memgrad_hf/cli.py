@@ -20,9 +20,14 @@ def _benchmarks_dir() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--version":
+        from memgrad_hf import __version__
+
+        print(f"memgrad-hf {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0
+        return 0 if argv else 2  # (no command: a usage error)
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
         from memgrad_hf.demo import main as demo_main

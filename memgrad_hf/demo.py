@@ -43,7 +43,7 @@ class DemoOptions:
     layers: int = 2
     lr: float = 1e-3
     seed: int = 0
-    threads: int = 2
+    threads: int = 0  # 0: OMP_NUM_THREADS if set, else 2 (the demo sets torch's threads itself)
     bf16: bool = False
 
 
@@ -54,6 +54,12 @@ def _run_one(name: str, opts: dict, q: Any) -> None:
         import traceback
 
         q.put({"name": name, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()})
+
+
+def _threads(asked: int) -> int:
+    """``asked``, or for 0 ``OMP_NUM_THREADS`` if set, else 2 (torch.set_num_threads would override the variable)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return asked or (int(env) if env.isdigit() and int(env) > 0 else 2)
 
 
 def run_config(name: str, o: DemoOptions) -> dict:
@@ -68,7 +74,7 @@ def run_config(name: str, o: DemoOptions) -> dict:
     from memgrad_hf.offline import DEMO_TEXT, build_char_tokenizer, lm_blocks
 
     hf_logging.set_verbosity_error()
-    torch.set_num_threads(o.threads)
+    torch.set_num_threads(_threads(o.threads))
     cuda = torch.cuda.is_available()
     tok = build_char_tokenizer()
     data = lm_blocks(tok, DEMO_TEXT, o.seq, o.steps * o.batch)
@@ -129,11 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(v, bool):
             p.add_argument(f"--{f}", action="store_true", help=f"(default {v})")
         else:
-            p.add_argument(f"--{f}", type=type(v), default=v, help=f"(default {v})")
+            p.add_argument(f"--{f}", type=type(v), default=v,
+                           help="(default: OMP_NUM_THREADS if set, else 2)" if f == "threads" else f"(default {v})")
     p.add_argument("--configs", default=None,
                    help="comma-separated subset of: stock, patched, patched+forge (default: all available)")
     a = p.parse_args(argv)
     opts = DemoOptions(**{f: getattr(a, f) for f in asdict(d)})
+    opts.threads = _threads(opts.threads)
     names = a.configs.split(",") if a.configs else ["stock", "patched"] + (["patched+forge"] if _forge_available()
                                                                            else [])
     from memgrad_hf.offline import build_char_tokenizer

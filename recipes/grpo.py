@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no_patch", action="store_true", help="do not apply memgrad_hf.patch_model")
     p.add_argument("--bf16", action="store_true",
                    help="a hub model loads in bf16, and the Trainer runs bf16 (default: fp32)")
-    p.add_argument("--output_dir", default="/tmp/memgrad_grpo")
+    p.add_argument("--output_dir", default="/tmp/memgrad_grpo", help="the trained model is saved here at the end")
+    p.add_argument("--save_steps", type=int, default=0, help="also save a resumable checkpoint every N steps (0: none)")
+    p.add_argument("--resume_from_checkpoint", default=None, help="a checkpoint dir written with --save_steps")
     a = p.parse_args(argv)
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     args = GRPOConfig(
         output_dir=a.output_dir, per_device_train_batch_size=a.batch, num_generations=a.num_generations,
         max_completion_length=a.max_completion_length, max_steps=a.max_steps, learning_rate=a.learning_rate,
-        logging_steps=1, report_to="none", save_strategy="no", bf16=a.bf16, use_cpu=not torch.cuda.is_available(),
+        logging_steps=1, report_to="none", bf16=a.bf16, use_cpu=not torch.cuda.is_available(),
+        save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
         optim=a.optim, **_no_checkpointing(GRPOConfig),
         optim_args=(a.optim_args or None) if a.optim.startswith("forge") else None,
         use_vllm=False, disable_tqdm=True,
@@ -112,14 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     trainer = GRPOTrainer(model=model, args=args, reward_funcs=correctness_reward, train_dataset=data,
                           processing_class=tok, callbacks=[cb])
     t0 = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=a.resume_from_checkpoint)
+    trainer.save_model(a.output_dir)  # a plain transformers checkpoint (memgrad's patch is not saved)
+    tok.save_pretrained(a.output_dir)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     for h in logs:
         print(f"step {h['step']:>3}  loss {h['loss']:+.4f}  reward {h.get('reward', float('nan')):+.3f}  "
               f"grad_norm {h.get('grad_norm', float('nan')):.3f}")
     print(f"\nGRPO done: {len(logs)} steps in {time.perf_counter() - t0:.1f} s; optimizer {a.optim}; "
           f"head {'memgrad' if not a.no_patch else 'TRL'}; peak memory added {cb.summary.get('peak_added_mem_mb')} MB; "
-          f"{cb.summary.get('tokens_per_s')} tokens/s")
+          f"{cb.summary.get('tokens_per_s')} tokens/s; saved to {a.output_dir}")
     return 0
 
 

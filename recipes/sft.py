@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no_patch", action="store_true", help="do not apply memgrad_hf.patch_model")
     p.add_argument("--bf16", action="store_true",
                    help="a hub model loads in bf16, and the Trainer runs bf16 (default: fp32)")
-    p.add_argument("--output_dir", default="/tmp/memgrad_sft")
+    p.add_argument("--output_dir", default="/tmp/memgrad_sft", help="the trained model is saved here at the end")
+    p.add_argument("--save_steps", type=int, default=0, help="also save a resumable checkpoint every N steps (0: none)")
+    p.add_argument("--resume_from_checkpoint", default=None, help="a checkpoint dir written with --save_steps")
     a = p.parse_args(argv)
 
     import torch
@@ -70,20 +72,23 @@ def main(argv: list[str] | None = None) -> int:
         memgrad_hf.patch_model(model)
     args = TrainingArguments(
         output_dir=a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.batch,
-        learning_rate=a.learning_rate, logging_steps=1, save_strategy="no", report_to="none", bf16=a.bf16,
+        learning_rate=a.learning_rate, logging_steps=1, report_to="none", bf16=a.bf16,
+        save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
         use_cpu=not torch.cuda.is_available(), optim=a.optim, optim_args=a.optim_args,
         max_grad_norm=a.max_grad_norm, disable_tqdm=True, dataloader_num_workers=0,
     )
     cb = MemoryReportCallback()
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
     t0 = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=a.resume_from_checkpoint)
+    trainer.save_model(a.output_dir)  # a plain transformers checkpoint (memgrad's patch is not saved)
+    tok.save_pretrained(a.output_dir)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     for h in logs:
         print(f"step {h['step']:>4}  loss {h['loss']:.4f}  grad_norm {h.get('grad_norm', float('nan')):.3f}")
     print(f"\nSFT done: {len(logs)} steps in {time.perf_counter() - t0:.1f} s; optimizer {a.optim}; "
           f"head {'memgrad' if not a.no_patch else 'stock'}; peak memory added {cb.summary.get('peak_added_mem_mb')} "
-          f"MB; {cb.summary.get('tokens_per_s')} tokens/s")
+          f"MB; {cb.summary.get('tokens_per_s')} tokens/s; saved to {a.output_dir}")
     return 0
 
 

@@ -18,6 +18,7 @@ def test_demo_runs_and_patched_loss_matches_stock(capsys):
 
 def test_cli_help_and_unknown_command(capsys):
     assert cli.main(["--help"]) == 0
+    assert cli.main([]) == 2 and cli.main(["--version"]) == 0  # no command is a usage error
     assert cli.main(["frobnicate"]) == 2
     assert cli.main(["bench", "no_such_bench"]) == 2
 

@@ -14,16 +14,26 @@ def _run(script, *args):
                           env=env, timeout=600)
 
 
-def test_grpo_recipe_offline_demo():
-    res = _run("grpo.py", "--max_steps", "3")
+def test_grpo_recipe_offline_demo(tmp_path):
+    res = _run("grpo.py", "--max_steps", "3", "--output_dir", str(tmp_path))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "GRPO done: 3 steps" in res.stdout and "optimizer forge_adamw; head memgrad" in res.stdout
 
 
-def test_sft_recipe_offline_demo():
-    res = _run("sft.py", "--max_steps", "3", "--seq", "64", "--batch", "2")
+def test_sft_recipe_offline_demo(tmp_path):
+    # the recipes saved nothing (--output_dir was unused) and could not resume
+    from transformers import AutoModelForCausalLM
+
+    res = _run("sft.py", "--max_steps", "3", "--seq", "64", "--batch", "2", "--output_dir", str(tmp_path),
+               "--save_steps", "2")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "SFT done: 3 steps" in res.stdout and "optimizer forge_adamw; head memgrad" in res.stdout
+    assert (tmp_path / "checkpoint-2").is_dir() and (tmp_path / "tokenizer.json").is_file()
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path)  # plain transformers loads the trained model
+    assert "forward" not in saved.__dict__
+    res = _run("sft.py", "--max_steps", "3", "--seq", "64", "--batch", "2", "--output_dir", str(tmp_path / "r"),
+               "--resume_from_checkpoint", str(tmp_path / "checkpoint-2"))
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_recipes_document_their_options():
