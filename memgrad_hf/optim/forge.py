@@ -337,6 +337,9 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         weight's data in place): the update would index the old state as the new shape. Checked at each fused
         layer's forward and, for the other parameters, when the loss's backward starts: before any update of the
         step, so nothing is half-applied."""
+        plan = self._plans.get(p)  # (the common case, per layer and step: a linear weight as its plan found it)
+        if plan is not None and plan.shape == p.shape:
+            return
         st = self.state.get(p)
         if not st:
             return
