@@ -14,13 +14,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from memgrad_hf.optim.forge import forge_optimizer_of
+
 log = logging.getLogger("memgrad_hf.forge")
-
-
-def _forge(optimizer: Any) -> Any:
-    from memgrad_hf.optim.forge import forge_optimizer_of
-
-    return forge_optimizer_of(optimizer)
 
 
 _AFTER_BACKWARD = ("on_pre_optimizer_step", "on_optimizer_step")
@@ -44,7 +40,7 @@ class ForgeLogCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, model: Any = None,
                        **kwargs: Any) -> None:
-        opt = _forge(optimizer)
+        opt = forge_optimizer_of(optimizer)
         if opt is not None:
             opt.begin_trainer(float(args.max_grad_norm or 0.0))
             late = sorted({type(c).__name__ for c in self.others if _acts_after_backward(c)})
@@ -65,13 +61,13 @@ class ForgeLogCallback(TrainerCallback):
             stale.detach()
 
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        opt = _forge(optimizer)
+        opt = forge_optimizer_of(optimizer)
         if opt is not None:
             opt.end_trainer()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, optimizer: Any = None,
                **kwargs: Any) -> None:
-        opt = _forge(optimizer)
+        opt = forge_optimizer_of(optimizer)
         if opt is None or logs is None or "loss" not in logs:
             return
         extra = {"forge_skipped_steps": opt.skipped_steps}

@@ -21,6 +21,7 @@ from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.functional import linear_logprobs
 from memgrad_hf.patches.head import capture_head_input, head_operands, head_patch, head_weight_consumer
 from memgrad_hf.patches.probe import LogitsProbe
+from memgrad_hf.patches.unwrap import base_model
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ def add_fused_lm_head(
     Example::
 
         from memgrad_hf.grpo import add_fused_lm_head
+
         add_fused_lm_head(model, temperature=0.9, outputs=("log_probs", "entropy"))
         out = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
         out.log_probs, out.entropy, out.label_mask
@@ -175,15 +177,12 @@ _ALL_MODELS = {"on": False}
 def is_memgrad_patched(model: Any) -> bool:
     """Whether ``model`` (or the causal LM under its PEFT wrapper) went through ``patch_model`` with the head."""
     from memgrad_hf.patches.head import is_head_patched
-    from memgrad_hf.patches.unwrap import base_model
 
     return is_head_patched(base_model(model)) or is_head_patched(model)
 
 
 def _trainer_policy(caller: Any) -> torch.nn.Module | None:
     """The causal LM that the trainer whose ``__init__`` is ``caller`` (a frame) trains, or None."""
-    from memgrad_hf.patches.unwrap import base_model
-
     trainer = caller.f_locals.get("self") if caller is not None else None
     policy = getattr(trainer, "model", None)
     return base_model(policy) if isinstance(policy, torch.nn.Module) else None
@@ -274,6 +273,7 @@ def patch_trl() -> list[str]:
     Example::
 
         import memgrad_hf.grpo
+
         memgrad_hf.grpo.patch_trl()
         trainer = GRPOTrainer(model=model, args=GRPOConfig(...), reward_funcs=..., train_dataset=...)
     """

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.patches.titans_masks import CACHE_NAMES as _CACHE_NAMES
 from memgrad_hf.patches.titans_masks import StoreMask, install_mask_hooks, remove_hooks
+from memgrad_hf.patches.unwrap import base_model
 from memgrad_hf.titans.branch import GatedMemoryBranch, run_packed_documents
 from memgrad_hf.titans.config import TitansConfig
 from memgrad_hf.titans.memory import NeuralMemory, NeuralMemState
@@ -553,8 +554,6 @@ def sync_titans_config(model: nn.Module) -> None:
 
         titans_branches(model)[3].memory.grad_impl = "fan"; sync_titans_config(model); model.save_pretrained("out")
     """
-    from memgrad_hf.patches.unwrap import base_model
-
     base = base_model(model)
     patch = getattr(base, _MODEL_ATTR, None)
     if not isinstance(patch, TitansPatch):

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memgrad_hf.patches.unwrap import base_model
+
 logger = logging.getLogger(__name__)
 
 
@@ -36,7 +38,6 @@ def _patched_lm(trainer: Any, model: nn.Module) -> nn.Module | None:
     )
 
     from memgrad_hf.patches.head import is_head_patched
-    from memgrad_hf.patches.unwrap import base_model
 
     target = base_model(trainer.accelerator.unwrap_model(model))
     names = {*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values(), *MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()}
@@ -50,7 +51,6 @@ def _refuse_liger_head(trainer: Any, model: nn.Module) -> None:
     ``forward`` at ``train()``: memgrad's chunked head (and a FORGE optimizer's hand-over of the head gradient) would
     silently stop running. Refused before the first step."""
     from memgrad_hf.patches.head import is_head_patched
-    from memgrad_hf.patches.unwrap import base_model
 
     config = getattr(trainer.args, "liger_kernel_config", None) or {}
     if not config.get("fused_linear_cross_entropy", True):
@@ -154,8 +154,6 @@ def hook_trainer_init() -> None:
         if _is_trl_trainer(self):
             from memgrad_hf.grpo.fused_head import is_memgrad_patched, route_patched_models
             from memgrad_hf.patches.titans import is_titans_patched
-            from memgrad_hf.patches.unwrap import base_model
-
             # a patched head, or a Titans memory (its reference model, loaded by TRL without it, gets it: _dispatch)
             if isinstance(self.model, nn.Module) and (is_memgrad_patched(self.model)
                                                       or is_titans_patched(base_model(self.model))):
@@ -170,7 +168,6 @@ def _warn_titans_dropped(model: Any) -> None:
     ``from_pretrained`` (TRL's ``model="path"`` does that): the Trainer would train it without its memory and save a
     checkpoint whose config promises memory weights it does not hold. Said at the Trainer's creation."""
     from memgrad_hf.patches.titans import CONFIG_ATTR, is_titans_patched
-    from memgrad_hf.patches.unwrap import base_model
 
     if not isinstance(model, nn.Module):
         return

@@ -231,7 +231,7 @@ class NeuralMemory(nn.Module):
             if self.fan.distilling:
                 # the FAN learns from this exact gradient; its loss rides on the retrieval's backward
                 retrieved = self.fan.observe(weights, gamma, k, v, lr, grads, self.activation, attach_to=retrieved)
-            elif (not getattr(self, "_idle_fan_warned", False) and not self.fan.frozen
+            elif (not self._idle_fan_warned and not self.fan.frozen
                   and any(p.requires_grad for p in self.fan.parameters())):
                 self._idle_fan_warned = True
                 logger.warning(
