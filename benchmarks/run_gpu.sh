@@ -6,7 +6,7 @@
 # device call with carry [".whl"], timeout_s 560:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site || exit; bash benchmarks/run_gpu.sh $OUT next
-# `next` is what is still open (issue 3's step time at ~1B, batch 1); `next2` follows it when >= 300 s are left.
+# `next` is what is still open (issue 3's step time at ~1B, batch 1, and exact clipping on CUDA); `bnb` follows it.
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100: checks
 # ~4 min, head ~2.5 per vocabulary, grpo ~3, titans > 4, forge ~5, forge-7b ~4, demo ~2, forge-profile ~2; each
 # configuration under torch.compile compiles for ~60 s in its memory process and again in its timing one. What each
@@ -45,22 +45,27 @@ for part in $parts; do
         --kernel-shapes 8x128x128x512 2>&1 | tee "$out/titans-d128.md" || status=1
       timeout -k 5 90 python -m benchmarks.titans --device cuda --repeats 5 --kernel-shapes 2>&1 \
         | tee "$out/titans-layer.md" || status=1 ;;
-    next)  # the next session's call (after run H), < 9.5 minutes in all. Run H measured compiled forge_lion with
+    next)  # the next session's call (after run H), < 8.5 minutes in all. Run H measured compiled forge_lion with
       # 8-bit state at 0.42x adamw_torch_fused's memory and 1.03x its median time over 4 timed steps, against a stock
       # step that spread from 60 to 82 ms: time it again with 10 steps (is it 1.03x, or within the noise of 0.9x?),
       # next to compiled stock (what compile alone buys) and to kernel=split (cuBLAS dW tiles: once compiled, is the
       # step device-bound, where the fused kernel's ~75-118 µs per 2048 x 2048 layer is the cost?). Peak memory is
       # read in the timing run (--in-process-memory): each compiled configuration compiles once, not twice (~60 s
-      # each). Then the Titans twin check that run H's 50 s limit cut short.
+      # each). Then FORGE's exact clipping on CUDA: compiled by inductor (with checkpointing + accumulation too) and
+      # under patch_model(grad_in_forward=True|False), against AdamW + clip_grad_norm_, and forge_adamw in Trainer.
       timeout -k 5 330 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 10 --repeats 1 --in-process-memory --configs adamw_torch_fused \
         adamw_torch_fused+compile forge_lion+8bit_state+compile forge_lion+8bit_state+split+compile 2>&1 \
         | tee "$out/forge-compile.md" || status=1
-      timeout -k 5 90 python tests/titans/_triton_twin_check.py cuda 2>&1 | tee "$out/checks.md" || status=1
-      timeout -k 5 110 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
-        --batch 1 --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused forge_lion+8bit_state+head \
-        2>&1 | tee "$out/forge-8bit.md" || status=1
-      ;;
+      timeout -k 5 150 python -c "import tests.gpu_checks as g; g.check_forge_exact_clipping(); g.check_forge_trainer()
+raise SystemExit(len(g.FAILED))" 2>&1 | tee "$out/checks.md" || status=1 ;;
+    bnb)  # a second call straight after `next` on the warm machine, whose /tmp/site is kept: `next`'s call carries
+      # [".whl", ".whl_bnb"] (`gpu_wheels.sh --bnb-only`: bitsandbytes alone, 42 MB; 61 MB in all with .whl/) and
+      # installs both; this one carries nothing and begins with `export PYTHONPATH=/tmp/site`. The adamw_bnb_8bit
+      # peer, never run on a GPU, beside FORGE's 8-bit state at batch 1 (issue 3's memory target; run H: 0.42x)
+      timeout -k 5 130 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
+        --batch 1 --seq 1024 --steps 5 --repeats 1 --configs adamw_torch_fused adamw_bnb_8bit \
+        forge_lion+8bit_state+head forge_adamw+8bit_state+head 2>&1 | tee "$out/forge-8bit.md" || status=1 ;;
     now)  # run H (2026-11-27, 900 s of device time): issue 5's medians first, the compiled twin checks, then issue
       # 3's time target under torch.compile (the configurations that can reach it), < 9.3 minutes
       timeout -k 5 90 python tests/titans/_triton_twin_check.py cuda 2>&1 | tee "$out/checks.md" || status=1

@@ -191,6 +191,66 @@ def check_forge_low_precision_trainer() -> None:
                max(abs(a - b) / abs(b) for a, b in zip(lt, lr_, strict=True)), 1e-3)
 
 
+def _forge_beside_adamw(model: torch.nn.Module, run, max_grad_norm: float, micro_batches: int = 1,
+                        steps: int = 3) -> tuple[float, float]:
+    """``steps`` plain-loop steps of ``run`` (``model``, compiled or not) under ForgeAdamW with exact clipping, beside
+    torch.optim.AdamW + clip_grad_norm_ on an eager deep copy taken first: (largest weight error, largest grad-norm
+    error), both relative. The weights are compared per parameter in relative L2, as the CPU tests do: Adam divides by
+    sqrt(v), so where a weight's gradient is ~0 a last-bit difference in the summation order becomes a visible
+    element (5e-5 of the largest weight after 3 steps on CPU, at 5e-6 relative L2)."""
+    from memgrad_hf.optim import ForgeAdamW
+
+    ref = copy.deepcopy(model)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    norm_err = 0.0
+    for step in range(steps):
+        for mb in range(micro_batches):
+            ids = torch.randint(3, 101, (2, 24), generator=torch.Generator().manual_seed(10 * step + mb)).to(DEV)
+            opt.sync = mb == micro_batches - 1
+            run(input_ids=ids, labels=ids).loss.backward()
+            ref(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        theirs = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm))
+        assert theirs > max_grad_norm, f"clipping inactive (norm {theirs})"
+        norm_err = max(norm_err, abs(opt.last_grad_norm - theirs) / theirs)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    werr = max(((p - q).norm() / q.norm()).item() for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    return werr, norm_err
+
+
+def check_forge_exact_clipping() -> None:
+    """FORGE's exact clipping (a norm pass, then the update pass) on the device's own paths: compiled by inductor
+    (plain, and with checkpointing + accumulation + tied weights, where the norm-only backward and the update
+    backward run through one compiled graph), and a patch_model'ed head that computes its gradients in forward
+    (``grad_in_forward=True``), whose consumer hands FORGE the head's weight gradient in vocabulary blocks."""
+    import memgrad_hf
+    from tests.tiny_models import tiny_model
+
+    torch._dynamo.reset()
+    model = tiny_model("llama").to(DEV)
+    werr, nerr = _forge_beside_adamw(model, torch.compile(model), max_grad_norm=0.05)
+    report(f"compiled (inductor) forge_adamw, clipping 0.05, vs AdamW + clip_grad_norm_ on {DEV}: weights (rel L2)",
+           werr, 1e-5)
+    report("compiled forge_adamw: grad norm", nerr, 1e-5)
+    torch._dynamo.reset()
+    model = tiny_model("llama", tied=True).to(DEV)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    werr, nerr = _forge_beside_adamw(model, torch.compile(model), max_grad_norm=0.05, micro_batches=2)
+    report("compiled forge_adamw + checkpointing + 2 micro-batches + tied, clipping 0.05: weights", werr, 1e-5)
+    report("compiled forge_adamw + checkpointing + accumulation: grad norm", nerr, 1e-5)
+    torch._dynamo.reset()
+    for grad_in_forward in (True, False):
+        model = tiny_model("llama").to(DEV)
+        memgrad_hf.patch_model(model, chunk_size=16, grad_in_forward=grad_in_forward)
+        werr, nerr = _forge_beside_adamw(model, model, max_grad_norm=0.05)
+        report(f"patch_model(grad_in_forward={grad_in_forward}) + forge_adamw, clipping 0.05: weights", werr, 1e-5)
+        report(f"patch_model(grad_in_forward={grad_in_forward}) + forge_adamw: grad norm", nerr, 1e-5)
+
+
 def _host_waits_per_step(layers: int, optim_cls: type, kwargs: dict, patch: bool) -> int:
     """How often the third plain-loop step of a bf16 tiny Llama with ``layers`` decoder layers makes the host wait for
     the device. CUDA: the synchronizing calls torch's sync debug mode reports. CPU (the Triton path under the
@@ -342,7 +402,8 @@ def main() -> int:
     name = torch.cuda.get_device_name(0) if DEV.startswith("cuda") else "CPU"
     print(f"# {name}, torch {torch.__version__}", flush=True)
     checks = [lambda: check_head(torch.float32, 1e-5), lambda: check_head(torch.bfloat16, 2e-2), check_patched_model,
-              check_triton_head, check_forge_trainer, check_forge_headroom, check_forge_low_precision_trainer,
+              check_triton_head, check_forge_trainer, check_forge_exact_clipping, check_forge_headroom,
+              check_forge_low_precision_trainer,
               check_forge_host_waits, check_titans]
     for c in checks:
         try:
