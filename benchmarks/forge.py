@@ -16,7 +16,16 @@ import time
 
 import torch
 
-from benchmarks.harness import Case, bench_parser, machine, peak_added_mib, time_interleaved, versions, warm_libraries
+from benchmarks.harness import (
+    Case,
+    bench_parser,
+    host_waits,
+    machine,
+    peak_added_mib,
+    time_interleaved,
+    versions,
+    warm_libraries,
+)
 from memgrad_hf import memory
 
 CONFIGS = {
@@ -141,10 +150,8 @@ def _step_profiler(config: str, device: str, last_step: int, host: bool = False)
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
             return f"\n### host profile of one step: {config}\n\n```\n{buf.getvalue().strip()}\n```"
         ev = prof.key_averages()
-        syncs = sum(e.count for e in ev if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                                      "aten::_local_scalar_dense"))
         table = ev.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=15)
-        return f"\n### profile of one step: {config} (host syncs / scalar reads: {syncs})\n\n{table}"
+        return f"\n### profile of one step: {config} ({host_waits(ev, cuda)})\n\n{table}"
 
     class StepProfiler(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
