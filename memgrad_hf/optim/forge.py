@@ -94,6 +94,18 @@ def _noise_seed(position: int, step: int) -> int:
     return (position * 1_000_003 + step * 1_009) & 0x7FFFFFFF
 
 
+def _warn_held_grads(name: str, params: Iterable[Tensor]) -> None:
+    """FORGE's loop has no ``zero_grad``: a ``.grad`` found at an update is taken as accumulated over earlier
+    micro-batches and added in. One left from before the optimizer existed (a backward without it, a PEFT adapter
+    trained while outside it) would silently join the first update."""
+    held = sum(1 for p in params if p.requires_grad and p.grad is not None)
+    if held:
+        log.warning("memgrad_hf: %d parameters already hold a .grad as this %s is created. FORGE adds a .grad it finds "
+                    "into the next update (as gradient accumulated over earlier micro-batches), so these would join "
+                    "the first step. If they are stale (a backward before the optimizer existed, a PEFT adapter "
+                    "trained outside it), call optimizer.zero_grad() before training.", held, name)
+
+
 def _next_step(st: dict[str, Any]) -> int:
     """Advance a parameter's step count (a CPU tensor, as torch.optim keeps it) and return it: ``fill_`` with the
     next integer costs a quarter of ``+= 1`` (~1 against ~4 µs here; this runs per layer and step)."""
@@ -285,6 +297,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                        if p.requires_grad]
         self._hooked = {p for p in self._group_index if p.requires_grad}
         self._unhooked = [p for p in self._group_index if not p.requires_grad]  # (see _hook_new)
+        _warn_held_grads(type(self).__name__, self._group_index)
         self._attached = True
         self._solo_checked = False  # (see _refuse_distributed)
         ForgeOptimizer._attached_now.add(self)

@@ -332,6 +332,9 @@ def _patched_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     else:
         out = type(self).forward(self, *args, **kwargs)
     branch = getattr(self, BRANCH_ATTR)
+    original = branch._modules.get("original_module")  # PEFT's modules_to_save wrapper: the memory has a trained copy
+    if original is not None and not getattr(original, "_inert_checked", False):
+        original._inert_checked = True  # (its frozen original runs under disable_adapter() by design: no warning)
     mask = _layer_mask(info, x)
     starts = None if info.store_mask is None or cache is not None else info.store_mask.starts
     if starts is not None and starts.shape[1] == x.shape[1]:  # packed documents: each from a fresh memory

@@ -341,6 +341,9 @@ def test_peft_freezing_the_untrained_memory_is_warned_about(caplog):
     kept = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["titans_memory"]))
     with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
         _hf_loss(kept, _ids(n=8)).backward()
+        # a reference pass with gradients on (a KL term): PEFT runs its frozen original copy, as it should
+        with kept.disable_adapter():
+            _hf_loss(kept, _ids(n=8))
     assert "adds nothing" not in caplog.text
 
 
