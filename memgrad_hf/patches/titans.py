@@ -617,7 +617,9 @@ def inject_titans(model: nn.Module, titans: TitansConfig | dict[str, Any]) -> nn
                     m.fan.requires_grad_(False)
         branches[i] = branch
     holder = StoreMask()
+    inert_warned = [False]  # (one "inert branch" warning per model, not per memory layer)
     for i, branch in branches.items():
+        branch._inert_warned = inert_warned
         layer = layers[i]
         had = "forward" in layer.__dict__
         previous = layer.__dict__.get("forward")

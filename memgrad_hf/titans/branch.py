@@ -22,11 +22,17 @@ def _warn_if_inert(branch: GatedMemoryBranch) -> None:
     """A frozen ``W_o`` still at its zero start makes the branch add nothing while it costs its compute: what PEFT
     leaves when the memory is not in ``modules_to_save``. Checked once per branch, at its first training forward."""
     branch._inert_checked = True
+    warned = getattr(branch, "_inert_warned", None)  # shared by the branches of one injection: one line per model
+    if warned and warned[0]:
+        return
     if not branch.out.weight.requires_grad and not bool(branch.out.weight.any()):
+        if warned:
+            warned[0] = True
         logger.warning(
-            "Titans memory: this branch is frozen with its output projection still zero, so it adds nothing to the "
-            "model. PEFT freezes modules outside its adapters: pass LoraConfig(modules_to_save=['titans_memory']) "
-            "(or set requires_grad on the memory's parameters) to train it.")
+            "Titans memory: a memory branch is frozen with its output projection still zero, so it adds nothing to "
+            "the model (logged once per model). PEFT freezes modules outside its adapters: pass "
+            "LoraConfig(modules_to_save=['titans_memory']) (or set requires_grad on the memory's parameters) to "
+            "train it.")
 
 
 class GatedMemoryBranch(nn.Module):

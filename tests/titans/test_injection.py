@@ -331,11 +331,12 @@ def test_peft_freezing_the_untrained_memory_is_warned_about(caplog):
     # PEFT freezes a memory left out of modules_to_save: still zero, its branch added nothing, silently
     from peft import LoraConfig, get_peft_model
 
-    model = memgrad_hf.patch_model(tiny_model("llama").train(), titans=TitansConfig(layers=[1], **CFG))
+    model = memgrad_hf.patch_model(tiny_model("llama").train(), titans=TitansConfig(layers=[0, 1], **CFG))
     frozen = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
         _hf_loss(frozen, _ids(n=8)).backward()
     assert "adds nothing" in caplog.text and "modules_to_save=['titans_memory']" in caplog.text
+    assert caplog.text.count("adds nothing") == 1  # one line per model, not one per memory layer
     caplog.clear()
     model = memgrad_hf.patch_model(tiny_model("llama").train(), titans=TitansConfig(layers=[1], **CFG))
     kept = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["titans_memory"]))
