@@ -172,11 +172,34 @@ def _forge_linear_kernel(
     TENSOR_CORES: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr, FIRST: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """RULE: 0 AdamW, 1 Lion, 2 SGD (beta1 = momentum, beta2 = dampening; HAS_M: a momentum buffer in m_ptr; FIRST:
-    the buffer's first step, which takes the direction as it is, as torch.optim.SGD does). ``omb1``/``omb2``:
-    1 - beta1 / 1 - beta2 computed on the host in fp64, as torch.optim passes them (1 - fp32(0.99) is 1e-6 off)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """One tile per program (:func:`_forge_tile`), the grid ``(row tiles, column tiles)`` of one weight."""
+    _forge_tile(
+        tl.program_id(0), tl.program_id(1),
+        dy_ptr, x_ptr, w_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, acc_ptr, norm_ptr, bad_ptr,
+        N, OUT, IN, S_COLS, s_dyn, s_dyo, s_xn, s_xi, s_wo, s_wi,
+        lr, beta1, beta2, omb1, omb2, eps, wd, bc1, bc2_sqrt, key_w, key_v, coef, idx_off,
+        FROM_GRAD, HAS_ACC, RULE, LOWP, IS_BF16, W_BF16, M_KIND, V_KIND, W_SR, G_LOWP, ACC_LOWP,
+        TENSOR_CORES, HAS_M, NESTEROV, FIRST, BM, BN, BK,
+    )
+
+
+@triton.jit
+def _forge_tile(
+    pid_m, pid_n,
+    dy_ptr, x_ptr, w_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, acc_ptr, norm_ptr, bad_ptr,
+    N, OUT, IN, S_COLS,
+    s_dyn, s_dyo, s_xn, s_xi, s_wo, s_wi,
+    lr, beta1, beta2, omb1, omb2, eps, wd, bc1, bc2_sqrt, key_w, key_v, coef, idx_off,
+    FROM_GRAD: tl.constexpr, HAS_ACC: tl.constexpr, RULE: tl.constexpr, LOWP: tl.constexpr,
+    IS_BF16: tl.constexpr, W_BF16: tl.constexpr,
+    M_KIND: tl.constexpr, V_KIND: tl.constexpr, W_SR: tl.constexpr, G_LOWP: tl.constexpr, ACC_LOWP: tl.constexpr,
+    TENSOR_CORES: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr, FIRST: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Tile ``(pid_m, pid_n)`` of a weight: its ``dW`` (or given gradient) and update. RULE: 0 AdamW, 1 Lion, 2 SGD
+    (beta1 = momentum, beta2 = dampening; HAS_M: a momentum buffer in m_ptr; FIRST: the buffer's first step, which
+    takes the direction as it is, as torch.optim.SGD does). ``omb1``/``omb2``: 1 - beta1 / 1 - beta2 computed on the
+    host in fp64, as torch.optim passes them (1 - fp32(0.99) is 1e-6 off)."""
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     rmask = rows < OUT
@@ -451,3 +474,133 @@ def update_step(
         BM=bm, BN=bn, BK=16, TENSOR_CORES=False, num_warps=4, num_stages=1,
     )
     return norm, bad
+
+
+# Per-tensor tables of update_many's grouped launch: pointers (p, g, m, v, m scales, v scales), int32 values and the
+# rule's fp32 scalars, one row per tensor
+_PTRS, _INTS, _FLOATS = 6, 8, 9
+
+
+@triton.jit
+def _typed(addr, KIND: tl.constexpr):
+    """An address from a table as a pointer to fp32 (0), bf16 (1), 8-bit codes (2) or fp16 (3)."""
+    if KIND == 1:
+        return addr.to(tl.pointer_type(tl.bfloat16))
+    if KIND == 2:
+        return addr.to(tl.pointer_type(tl.uint8))
+    if KIND == 3:
+        return addr.to(tl.pointer_type(tl.float16))
+    return addr.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _forge_group_kernel(
+    ptrs, ints, floats, starts, n_tensors, norm_ptr, bad_ptr, coef,
+    RULE: tl.constexpr, W_KIND: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
+    W_SR: tl.constexpr, G_LOWP: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr, FIRST: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+):
+    """:func:`update_step`'s tile for many tensors in one launch: program ``pid`` finds its tensor ``t`` (the last
+    with ``starts[t] <= pid``, by binary search over the ``n_tensors + 1`` tile offsets), reads that tensor's pointers
+    and values from the tables, and runs the same :func:`_forge_tile` as the one-tensor launch."""
+    pid = tl.program_id(0)
+    lo = pid * 0
+    hi = lo + n_tensors
+    for _ in tl.static_range(SEARCH_STEPS):  # invariant: starts[lo] <= pid < starts[hi]
+        mid = (lo + hi) // 2
+        right = tl.load(starts + mid) <= pid
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    t = lo
+    local = pid - tl.load(starts + t)
+    row = ints + t * 8
+    out_f = tl.load(row).to(tl.int32)
+    in_f = tl.load(row + 1).to(tl.int32)
+    tiles_n = (in_f + BN - 1) // BN
+    prow = ptrs + t * 6
+    w_ptr = _typed(tl.load(prow), W_KIND)
+    g_ptr = _typed(tl.load(prow + 1), G_KIND)
+    frow = floats + t * 9
+    _forge_tile(
+        local // tiles_n, local % tiles_n,
+        g_ptr, g_ptr, w_ptr, _typed(tl.load(prow + 2), M_KIND), _typed(tl.load(prow + 3), V_KIND),
+        _typed(tl.load(prow + 4), 0), _typed(tl.load(prow + 5), 0), g_ptr, norm_ptr, bad_ptr,
+        0, out_f, in_f, tl.load(row + 2).to(tl.int32), 0, 0, 0, 0, tl.load(row + 3).to(tl.int32),
+        tl.load(row + 4).to(tl.int32),
+        tl.load(frow), tl.load(frow + 1), tl.load(frow + 2), tl.load(frow + 3), tl.load(frow + 4), tl.load(frow + 5),
+        tl.load(frow + 6), tl.load(frow + 7), tl.load(frow + 8),
+        tl.load(row + 5).to(tl.int32), tl.load(row + 6).to(tl.int32), coef, tl.load(row + 7).to(tl.int32),
+        True, True, RULE, False, False, W_KIND == 1, M_KIND, V_KIND, W_SR, G_LOWP, 0,
+        False, HAS_M, NESTEROV, FIRST, BM, BN, 16,
+    )
+
+
+_G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 3}
+
+
+def update_many(
+    rule: str,
+    items: list[tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Any], int, int, int]],
+    *,
+    coef: float = 1.0,
+    stochastic_rounding: bool = False,
+    sums: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`update_step` for many tensors, one launch per kind of tensor instead of one per tensor (a step's
+    launches cost the host ~100 µs each on a GPU at batch 1, where the host bounds the step). ``items``: ``(p, g,
+    st, hp, step, seed, offset)`` as :func:`update_step` takes them, all on one device; ``coef`` and
+    ``stochastic_rounding`` are shared. The same arithmetic per element as one :func:`update_step` per item (the
+    norm² sums may add in another order). Its torch twin is that loop (:func:`memgrad_hf.kernels.forge.update_step`
+    per item)."""
+    names = K.RULES[rule][1]
+    sums = _sums(sums, items[0][0].device) if items else _sums(sums, torch.device("cpu"))
+    groups: dict[tuple, list] = {}
+    for p, g, st, hp, step, seed, offset in items:
+        if (p.dtype not in (torch.float32, torch.bfloat16) or g.dtype not in _G_KINDS or p.numel() >= 1 << 31
+                or not (p.is_contiguous() and g.is_contiguous() and all(v.is_contiguous() for v in st.values()))):
+            update_step(rule, p, g, st, hp, step, coef=coef, stochastic_rounding=stochastic_rounding, seed=seed,
+                        offset=offset, sums=sums)  # (its errors and its wider dtypes)
+            continue
+        ra = _rule_args(rule, hp, step)
+        cols = p.shape[-1] if p.dim() >= 2 else max(p.numel(), 1)
+        as2d = lambda t, c=cols: t.view(-1, c) if t.dim() >= 2 and t.shape[-1] == c else t.view(1, -1)  # noqa: E731
+        p2 = as2d(p)
+        m = as2d(st[names[0]]) if names else p2
+        v = as2d(st["exp_avg_sq"]) if "exp_avg_sq" in st else m
+        scale = {k: st[k + ".scale"] for k in names if k + ".scale" in st}
+        out_f, in_f = p2.shape
+        bm, bn = (64, 64) if out_f > 1 else (1, 1024)
+        if scale:
+            bm, bn = 64, K.Q_BLOCK
+        m_scale = scale.get(names[0], p2) if names else p2
+        seeds = K.rounding_seeds(seed, names)
+        key = (bm, bn, _kind(p), _G_KINDS[g.dtype], _kind(m), _kind(v),
+               {torch.bfloat16: 1, torch.float16: 2}.get(g.dtype, 0) if coef != 1.0 else 0,
+               tuple(sorted(ra["consts"].items())))
+        b1, b2, omb1, omb2, eps, bc1, bc2_sqrt = ra["scalars"]
+        row_ints = [out_f, in_f, _cdiv(in_f, K.Q_BLOCK), p2.stride(0), p2.stride(1),
+                    K.as_int32(K.noise_key(seeds["p"])), K.as_int32(K.noise_key(seeds[(names or ("p",))[-1]])),
+                    K.as_int32(offset)]
+        row_ptrs = [p2.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), m_scale.data_ptr(),
+                    scale.get("exp_avg_sq", m_scale).data_ptr()]
+        row_floats = [float(hp["lr"]), b1, b2, omb1, omb2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt]
+        tiles = _cdiv(out_f, bm) * _cdiv(in_f, bn)
+        # (the tensors themselves stay referenced until the launch: their addresses are in the tables)
+        groups.setdefault(key, []).append((row_ptrs, row_ints, row_floats, tiles, (p2, g, m, v, m_scale)))
+    norm, bad = sums
+    for (bm, bn, w_kind, g_kind, m_kind, v_kind, g_lowp, consts), rows in groups.items():
+        dev = rows[0][4][0].device
+        starts = [0]
+        for r in rows:
+            starts.append(starts[-1] + r[3])
+        ptrs = torch.tensor([r[0] for r in rows], dtype=torch.int64).to(dev, non_blocking=True)
+        ints = torch.tensor([r[1] for r in rows], dtype=torch.int64).to(dev, non_blocking=True)
+        floats = torch.tensor([r[2] for r in rows], dtype=torch.float32).to(dev, non_blocking=True)
+        starts_t = torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True)
+        _forge_group_kernel[(starts[-1],)](
+            ptrs, ints, floats, starts_t, len(rows), norm, bad, float(coef),
+            W_KIND=w_kind, G_KIND=g_kind, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding),
+            G_LOWP=g_lowp, **dict(consts), BM=bm, BN=bn, SEARCH_STEPS=max(1, len(rows).bit_length()),
+            num_warps=4, num_stages=1,
+        )
+    return sums
