@@ -14,6 +14,7 @@ Tested against the torch twin under ``TRITON_INTERPRET=1``; on a GPU it is selec
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -24,6 +25,8 @@ from torch import Tensor
 
 from memgrad_hf.kernels import forge as K
 from memgrad_hf.kernels.triton_common import round_bf16 as _round_bf16
+
+logger = logging.getLogger(__name__)
 
 # State storage kinds (constexpr): fp32, bf16 (rounded to nearest; the second moment stochastically), 8-bit
 # (block-scaled codes of state_codes, blocks of 64 along a row = one tile's row; the second moment kept as sqrt(v)).
@@ -536,6 +539,7 @@ def _forge_group_kernel(
 
 
 _G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 3}
+_GROUP_FAILED: list[str] = []  # why the grouped kernel could not be built, once: update_many then launches per tensor
 
 
 def update_many(
@@ -574,7 +578,7 @@ def update_many(
             bm, bn = 64, K.Q_BLOCK
         m_scale = scale.get(names[0], p2) if names else p2
         seeds = K.rounding_seeds(seed, names)
-        key = (bm, bn, _kind(p), _G_KINDS[g.dtype], _kind(m), _kind(v),
+        key = (p.device, bm, bn, _kind(p), _G_KINDS[g.dtype], _kind(m), _kind(v),
                {torch.bfloat16: 1, torch.float16: 2}.get(g.dtype, 0) if coef != 1.0 else 0,
                tuple(sorted(ra["consts"].items())))
         b1, b2, omb1, omb2, eps, bc1, bc2_sqrt = ra["scalars"]
@@ -586,10 +590,15 @@ def update_many(
         row_floats = [float(hp["lr"]), b1, b2, omb1, omb2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt]
         tiles = _cdiv(out_f, bm) * _cdiv(in_f, bn)
         # (the tensors themselves stay referenced until the launch: their addresses are in the tables)
-        groups.setdefault(key, []).append((row_ptrs, row_ints, row_floats, tiles, (p2, g, m, v, m_scale)))
+        groups.setdefault(key, []).append((row_ptrs, row_ints, row_floats, tiles, (p2, g, m, v, m_scale),
+                                           (p, g, st, hp, step, seed, offset)))
     norm, bad = sums
-    for (bm, bn, w_kind, g_kind, m_kind, v_kind, g_lowp, consts), rows in groups.items():
-        dev = rows[0][4][0].device
+    for (dev, bm, bn, w_kind, g_kind, m_kind, v_kind, g_lowp, consts), rows in groups.items():
+        if _GROUP_FAILED:  # (the grouped kernel failed to build here once: one launch per tensor)
+            for item in (r[5] for r in rows):
+                update_step(rule, *item[:5], coef=coef, stochastic_rounding=stochastic_rounding, seed=item[5],
+                            offset=item[6], sums=sums)
+            continue
         starts = [0]
         for r in rows:
             starts.append(starts[-1] + r[3])
@@ -597,10 +606,18 @@ def update_many(
         ints = torch.tensor([r[1] for r in rows], dtype=torch.int64).to(dev, non_blocking=True)
         floats = torch.tensor([r[2] for r in rows], dtype=torch.float32).to(dev, non_blocking=True)
         starts_t = torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True)
-        _forge_group_kernel[(starts[-1],)](
-            ptrs, ints, floats, starts_t, len(rows), norm, bad, float(coef),
-            W_KIND=w_kind, G_KIND=g_kind, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding),
-            G_LOWP=g_lowp, **dict(consts), BM=bm, BN=bn, SEARCH_STEPS=max(1, len(rows).bit_length()),
-            num_warps=4, num_stages=1,
-        )
+        try:
+            _forge_group_kernel[(starts[-1],)](
+                ptrs, ints, floats, starts_t, len(rows), norm, bad, float(coef),
+                W_KIND=w_kind, G_KIND=g_kind, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding),
+                G_LOWP=g_lowp, **dict(consts), BM=bm, BN=bn, SEARCH_STEPS=max(1, len(rows).bit_length()),
+                num_warps=4, num_stages=1,
+            )
+        except Exception as e:  # a compiler or platform problem, raised before the kernel ran: nothing was written
+            _GROUP_FAILED.append(repr(e))
+            logger.warning("memgrad_hf: the grouped FORGE update kernel is unavailable (%s); launching one kernel per "
+                           "tensor instead.", str(e).strip().splitlines()[-1] if str(e).strip() else repr(e))
+            for item in (r[5] for r in rows):
+                update_step(rule, *item[:5], coef=coef, stochastic_rounding=stochastic_rounding, seed=item[5],
+                            offset=item[6], sums=sums)
     return sums

@@ -203,6 +203,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._outside: dict[Tensor, Tensor | None] = {}  # trainable parameters outside the groups (_begin_norm)
         self._stash_counted: set[Tensor] = set()
         self._replays: list[Any] | None = None  # clip_pass="replay": the updates recorded during the norm pass
+        self._grouped: list[tuple] | None = None  # the replay's updates set aside for one grouped launch (_update)
         # inside a compiled graph's operator: its tensor arguments are the graph's buffers, which inductor reuses
         # (or donates) once the operator returns, so a recorded update must keep copies (memgrad_hf.optim.forge_ops)
         self._borrowed_inputs = False
@@ -484,25 +485,45 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         return bool(on if on is not None else getattr(self.model, "is_gradient_checkpointing", False))
 
 
-    def _apply(self, p: Tensor, g: Tensor) -> None:
+    def _apply(self, p: Tensor, g: Tensor, held: bool = False) -> None:
         """Update a hooked (non-fused) parameter from its complete gradient, then the gradient is dropped."""
         hp, st = self._hp(p), self._state(p)
         coef = self._clip_coef()
         self._note_update(p)
         step = _next_step(st)
-        self._update(p, p.data, g, _rule_state(st), hp, step, coef, _noise_seed(self._group_index_pos[p], step), 0)
+        self._update(p, p.data, g, _rule_state(st), hp, step, coef, _noise_seed(self._group_index_pos[p], step), 0,
+                     held)
 
     def _update(self, p: Tensor, target: Tensor, g: Tensor, st: dict[str, Tensor], hp: dict[str, Any], step: int,
-                coef: float, seed: int, offset: int) -> None:
+                coef: float, seed: int, offset: int, held: bool = False) -> None:
         """Apply the rule to ``target`` (``p`` or a row block of it at element ``offset``) from the gradient ``g``;
-        its norm is logged, a non-finite ``g`` is skipped and counted (on a GPU, per tile, without a host sync)."""
+        its norm is logged, a non-finite ``g`` is skipped and counted (on a GPU, per tile, without a host sync).
+        ``held``: ``g`` stays alive until the exact-clipping replay ends anyway, so on the Triton path the update
+        may wait for that replay's grouped launch (:meth:`_launch_grouped`) at no memory cost."""
         if not self._solo_checked:
             self._refuse_distributed()
         impl = self._update_impl(target, g)
+        if held and self._grouped is not None and impl is not K.update_step:
+            self._grouped.append((target, g, st, hp, step, seed, offset, coef))
+            return
         with torch.no_grad():
             impl(self.rule, target, g, st, hp, step, coef=coef, seed=seed, offset=offset,
                  stochastic_rounding=self.stochastic_rounding, exact_norm=self._exact_norm,
                  chunk_elems=max(self._tile_bytes(p) // 4, 1), sums=self._sums(target.device))
+
+    def _launch_grouped(self) -> None:
+        """The updates :meth:`_update` set aside during an exact-clipping replay: one grouped Triton launch per kind
+        of tensor (per device and clip coefficient, which one step shares)."""
+        from memgrad_hf.kernels import forge_triton
+
+        batches: dict[tuple[torch.device, float], list] = {}
+        for *item, coef in self._grouped or ():
+            batches.setdefault((item[0].device, coef), []).append(tuple(item))
+        self._grouped = None
+        with torch.no_grad():
+            for (device, coef), items in batches.items():
+                forge_triton.update_many(self.rule, items, coef=coef, stochastic_rounding=self.stochastic_rounding,
+                                         sums=self._sums(device))
 
     def _refuse_distributed(self) -> None:
         """The constructor's check again, at the first update after each attach: an optimizer built before the
@@ -642,7 +663,8 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             blk["seed"] = _noise_seed(self._group_index_pos[weight], blk["step"])
         return blk
 
-    def _apply_block(self, weight: Tensor, blk: dict[str, Any] | None, r0: int, r1: int, g: Tensor) -> None:
+    def _apply_block(self, weight: Tensor, blk: dict[str, Any] | None, r0: int, r1: int, g: Tensor,
+                     held: bool = False) -> None:
         if blk is None:  # accumulating: the block joins weight.grad
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
@@ -650,10 +672,12 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             return
         # a bf16 block of an fp32 weight under autocast: cast as autograd casts the gradient, before clipping scales
         # it (as clip_grad_norm_ scales the fp32 .grad)
+        given = g
         if g.dtype != weight.dtype:
             g = g.to(weight.dtype)
         if blk["acc"] is not None:
             g = g + blk["acc"][r0:r1]
+        held = held and g is given  # (a new tensor would live until the replay's end: launched now instead)
         if self._mode == "norm":
             self._measure(g)
             return
@@ -662,7 +686,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         names = K.RULES[self.rule][1]
         whole = r0 == 0 and r1 == weight.shape[0]  # (a slice is a dispatch per tensor: skipped where it is the whole)
         self._update(weight, weight.data if whole else weight.data[r0:r1], g, K.state_slice(blk["st"], names, r0, r1),
-                     blk["hp"], blk["step"], blk["coef"], blk["seed"], r0 * math.prod(weight.shape[1:]))
+                     blk["hp"], blk["step"], blk["coef"], blk["seed"], r0 * math.prod(weight.shape[1:]), held)
 
     def _embedding_weight_backward(self, weight: Tensor, ids: Tensor, dy: Tensor, padding_idx: int | None) -> None:
         """Called from the fused embedding's backward: the dense gradient is built and applied per row block."""
@@ -777,7 +801,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._stash_counted.add(p)
         return self._stash.get(p)
 
-    def _on_grad(self, p: Tensor) -> None:
+    def _on_grad(self, p: Tensor, held: bool = False) -> None:
         if p.grad is None or not self._is_sync():  # fused weights reach here with no gradient: nothing to do
             return
         if self._root_task is not None and (self._defer_all or torch._C._current_graph_task_id() != self._root_task):
@@ -801,7 +825,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         g, p.grad = p.grad, None
         if self._mode == "skip":
             return
-        self._apply(p, g)
+        self._apply(p, g, held)
 
     # ------------------------------------------------------------------------------------------- Optimizer API
 
