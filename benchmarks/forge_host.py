@@ -53,7 +53,8 @@ def _update_kernels_stubbed():
     if torch.cuda.is_available():
         from memgrad_hf.kernels import forge_triton
 
-        swapped += [(forge_triton, n) for n in ("linear_weight_step", "linear_weight_step_split", "update_step")]
+        swapped += [(forge_triton, n) for n in ("linear_weight_step", "linear_weight_step_split", "update_step",
+                                                 "update_many")]
     saved = [getattr(mod, name) for mod, name in swapped]
     try:
         for mod, name in swapped:

@@ -6,8 +6,8 @@
 # device call with carry [".whl"], timeout_s 560:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site || exit; bash benchmarks/run_gpu.sh $OUT host
-# `host` is what is still open (issue 3's step time at ~1B, batch 1: where the compiled FORGE step's host time goes;
-# carry only .whl, < 6 minutes); `next` and `bnb` were run I's two calls.
+# `host` is what is still open (issue 3's step time at ~1B, batch 1, with the grouped replay launch; carry only .whl,
+# timeout_s 560, < 9 minutes); `next` and `bnb` were run I's two calls.
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100: checks
 # ~4 min, head ~2.5 per vocabulary, grpo ~3, titans > 4, forge ~5, forge-7b ~4, demo ~2, forge-profile ~2; each
 # configuration under torch.compile compiles for ~60 s in its memory process and again in its timing one. What each
@@ -60,18 +60,22 @@ for part in $parts; do
         | tee "$out/forge-compile.md" || status=1
       timeout -k 5 150 python -c "import tests.gpu_checks as g; g.check_forge_exact_clipping(); g.check_forge_trainer()
 raise SystemExit(len(g.FAILED))" 2>&1 | tee "$out/checks.md" || status=1 ;;
-    host)  # the next call (after run I): where a compiled FORGE step's host time goes at ~1B, batch 1. Run I measured
-      # 17.1 ms of device time (stock compiled: 19.2) in a 59-68 ms step, memgrad::forge_linear_backward at 212 µs of
-      # host time per call under the profiler: a cProfile of one step per configuration (Python functions, Triton's
-      # launcher included), one Triton launch against a torch op, and FORGE's Python per layer on this host with its
-      # kernels as no-ops (compiled, with and without exact clipping). < 6 minutes
-      timeout -k 5 240 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
-        --batch 1 --seq 1024 --steps 4 --repeats 1 --host-profile --configs adamw_torch_fused+compile \
-        forge_lion+8bit_state+split+compile 2>&1 | tee "$out/forge-host-profile.md" || status=1
-      timeout -k 5 40 python -m benchmarks.launch_overhead 2>&1 | tee "$out/launch.md" || status=1
-      timeout -k 5 80 python -m benchmarks.forge_host --device cuda --configs adamw_torch_fused+compile \
-        forge_adamw+compile adamw_torch_fused+clip+compile forge_adamw+clip+compile 2>&1 | tee -a "$out/launch.md" \
-        || status=1 ;;
+    host)  # the next call (after run I), < 9 minutes: issue 3's step time at ~1B, batch 1, now that the exact-clipping
+      # replay launches its kept tiles' updates together (update_many: one grouped launch per kind of tensor instead
+      # of ~146 per step). Run I: compiled forge_lion 8-bit 1.13x adamw_torch_fused (split) / 1.40x (fused), device
+      # time 17.1 ms against stock's 19.2 in a host-bound step, memgrad::forge_linear_backward 212 µs of host time per
+      # call. First the grouped kernel compiled against one launch per tensor (bit-identical expected), then the
+      # timing (run I's command), then where the host time goes (cProfile of one compiled step, Triton's launcher
+      # included), a Triton launch against a torch op, and FORGE's Python per layer with its kernels as no-ops.
+      timeout -k 5 60 python tests/optim/_triton_group_check.py cuda 2>&1 | tee "$out/checks.md" || status=1
+      timeout -k 5 300 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
+        --batch 1 --seq 1024 --steps 10 --repeats 1 --in-process-memory --configs adamw_torch_fused \
+        forge_lion+8bit_state+compile forge_lion+8bit_state+split+compile 2>&1 | tee "$out/forge-compile.md" \
+        || status=1
+      timeout -k 5 150 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
+        --batch 1 --seq 1024 --steps 4 --repeats 1 --host-profile --configs forge_lion+8bit_state+split+compile \
+        2>&1 | tee "$out/forge-host-profile.md" || status=1
+      timeout -k 5 30 python -m benchmarks.launch_overhead 2>&1 | tee "$out/launch.md" || status=1 ;;
     bnb)  # a second call straight after `next` on the warm machine, whose /tmp/site is kept: `next`'s call carries
       # [".whl", ".whl_bnb"] (`gpu_wheels.sh --bnb-only`: bitsandbytes alone, 42 MB; 61 MB in all with .whl/) and
       # installs both; this one carries nothing and begins with `export PYTHONPATH=/tmp/site`. The adamw_bnb_8bit
