@@ -60,22 +60,22 @@ for part in $parts; do
         | tee "$out/forge-compile.md" || status=1
       timeout -k 5 150 python -c "import tests.gpu_checks as g; g.check_forge_exact_clipping(); g.check_forge_trainer()
 raise SystemExit(len(g.FAILED))" 2>&1 | tee "$out/checks.md" || status=1 ;;
-    host)  # the next call (after run I), < 9 minutes: issue 3's step time at ~1B, batch 1, now that the exact-clipping
-      # replay launches its kept tiles' updates together (update_many: one grouped launch per kind of tensor instead
-      # of ~146 per step). Run I: compiled forge_lion 8-bit 1.13x adamw_torch_fused (split) / 1.40x (fused), device
-      # time 17.1 ms against stock's 19.2 in a host-bound step, memgrad::forge_linear_backward 212 µs of host time per
-      # call. First the grouped kernel compiled against one launch per tensor (bit-identical expected), then the
-      # timing (run I's command), then where the host time goes (cProfile of one compiled step, Triton's launcher
-      # included), a Triton launch against a torch op, and FORGE's Python per layer with its kernels as no-ops.
-      timeout -k 5 60 python tests/optim/_triton_group_check.py cuda 2>&1 | tee "$out/checks.md" || status=1
-      timeout -k 5 300 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
-        --batch 1 --seq 1024 --steps 10 --repeats 1 --in-process-memory --configs adamw_torch_fused \
-        forge_lion+8bit_state+compile forge_lion+8bit_state+split+compile 2>&1 | tee "$out/forge-compile.md" \
-        || status=1
-      timeout -k 5 150 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
+    host)  # the next call (after run I), < 9 minutes: issue 3's step time at ~1B, batch 1. Run I: compiled forge_lion
+      # 8-bit 1.13x adamw_torch_fused (split) / 1.40x (fused), device time 17.1 ms against stock's 19.2 in a host-bound
+      # step, memgrad::forge_linear_backward 212 µs of host time per call; its third call timed the grouped replay
+      # launch (MEMGRAD_FORGE_GROUPED=1, update_many: one launch per kind of tensor instead of ~146) at 1.40x. First
+      # the grouped kernel compiled against one launch per tensor (bit-identical expected; run I's 55 s limit cut it
+      # short), then the same timing with and without grouping (two processes), then where a step's host time goes
+      # (cProfile of one compiled step, Triton's launcher included).
+      timeout -k 5 120 python tests/optim/_triton_group_check.py cuda 2>&1 | tee "$out/checks.md" || status=1
+      for grouped in 0 1; do
+        MEMGRAD_FORGE_GROUPED=$grouped timeout -k 5 130 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 \
+          --layers 16 --vocab 32000 --batch 1 --seq 1024 --steps 10 --repeats 1 --in-process-memory --configs \
+          adamw_torch_fused forge_lion+8bit_state+split+compile 2>&1 | tee "$out/forge-grouped-$grouped.md" || status=1
+      done
+      timeout -k 5 140 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 4 --repeats 1 --host-profile --configs forge_lion+8bit_state+split+compile \
-        2>&1 | tee "$out/forge-host-profile.md" || status=1
-      timeout -k 5 30 python -m benchmarks.launch_overhead 2>&1 | tee "$out/launch.md" || status=1 ;;
+        2>&1 | tee "$out/forge-host-profile.md" || status=1 ;;
     bnb)  # a second call straight after `next` on the warm machine, whose /tmp/site is kept: `next`'s call carries
       # [".whl", ".whl_bnb"] (`gpu_wheels.sh --bnb-only`: bitsandbytes alone, 42 MB; 61 MB in all with .whl/) and
       # installs both; this one carries nothing and begins with `export PYTHONPATH=/tmp/site`. The adamw_bnb_8bit

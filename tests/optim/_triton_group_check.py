@@ -73,6 +73,7 @@ def check_replay_launches_grouped() -> bool:
     from tests.tiny_models import tiny_model
 
     os.environ["MEMGRAD_BACKEND"] = "triton"
+    os.environ["MEMGRAD_FORGE_GROUPED"] = "1"
     calls = {"update_many": [], "update_step": 0}
     many, one = FT.update_many, FT.update_step
 
@@ -107,6 +108,7 @@ def check_replay_launches_grouped() -> bool:
         FT.update_many, FT.update_step = many, one
         ForgeAdamW._may_keep = may_keep
         os.environ.pop("MEMGRAD_BACKEND", None)
+        os.environ.pop("MEMGRAD_FORGE_GROUPED", None)
     err = max(((p - q).norm() / q.norm()).item() for p, q in zip(model.parameters(), ref.parameters(), strict=True))
     n_params = sum(1 for _ in model.parameters())
     # all but the embedding (its replay walks row blocks it makes itself: launched one by one)
