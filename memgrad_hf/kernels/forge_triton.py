@@ -501,11 +501,17 @@ def _forge_group_kernel(
     ptrs, ints, floats, starts, n_tensors, norm_ptr, bad_ptr, coef,
     RULE: tl.constexpr, W_KIND: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
     W_SR: tl.constexpr, G_LOWP: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr, FIRST: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, SEARCH_STEPS: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """:func:`update_step`'s tile for many tensors in one launch: program ``pid`` finds its tensor ``t`` (the last
     with ``starts[t] <= pid``, by binary search over the ``n_tensors + 1`` tile offsets), reads that tensor's pointers
-    and values from the tables, and runs the same :func:`_forge_tile` as the one-tensor launch."""
+    and values from the tables, and runs the same :func:`_forge_tile` as the one-tensor launch.
+
+    A pointer or stride read from a table tells the compiler nothing of its alignment, which the one-tensor launch
+    gets from its arguments' specialization (16-byte aligned pointers, a row stride divisible by 16, a column stride
+    of 1): without it, loads and stores are not vectorized. The tensors are contiguous (column stride 1, passed as
+    such) and, with ``ALIGNED`` (checked on the host), their four tensor addresses and row stride are multiples of
+    16, which the hints below restore."""
     pid = tl.program_id(0)
     lo = pid * 0
     hi = lo + n_tensors
@@ -523,13 +529,21 @@ def _forge_group_kernel(
     prow = ptrs + t * 6
     w_ptr = _typed(tl.load(prow), W_KIND)
     g_ptr = _typed(tl.load(prow + 1), G_KIND)
+    m_ptr = _typed(tl.load(prow + 2), M_KIND)
+    v_ptr = _typed(tl.load(prow + 3), V_KIND)
+    s_wo = tl.load(row + 3).to(tl.int32)
+    if ALIGNED:
+        w_ptr = tl.multiple_of(w_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+        s_wo = tl.multiple_of(s_wo, 16)
     frow = floats + t * 9
     _forge_tile(
         local // tiles_n, local % tiles_n,
-        g_ptr, g_ptr, w_ptr, _typed(tl.load(prow + 2), M_KIND), _typed(tl.load(prow + 3), V_KIND),
+        g_ptr, g_ptr, w_ptr, m_ptr, v_ptr,
         _typed(tl.load(prow + 4), 0), _typed(tl.load(prow + 5), 0), g_ptr, norm_ptr, bad_ptr,
-        0, out_f, in_f, tl.load(row + 2).to(tl.int32), 0, 0, 0, 0, tl.load(row + 3).to(tl.int32),
-        tl.load(row + 4).to(tl.int32),
+        0, out_f, in_f, tl.load(row + 2).to(tl.int32), 0, 0, 0, 0, s_wo, 1,
         tl.load(frow), tl.load(frow + 1), tl.load(frow + 2), tl.load(frow + 3), tl.load(frow + 4), tl.load(frow + 5),
         tl.load(frow + 6), tl.load(frow + 7), tl.load(frow + 8),
         tl.load(row + 5).to(tl.int32), tl.load(row + 6).to(tl.int32), coef, tl.load(row + 7).to(tl.int32),
@@ -578,22 +592,23 @@ def update_many(
             bm, bn = 64, K.Q_BLOCK
         m_scale = scale.get(names[0], p2) if names else p2
         seeds = K.rounding_seeds(seed, names)
-        key = (p.device, bm, bn, _kind(p), _G_KINDS[g.dtype], _kind(m), _kind(v),
+        row_ptrs = [p2.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), m_scale.data_ptr(),
+                    scale.get("exp_avg_sq", m_scale).data_ptr()]
+        aligned = all(a % 16 == 0 for a in row_ptrs[:4]) and p2.stride(0) % 16 == 0  # (the kernel's hints)
+        key = (p.device, aligned, bm, bn, _kind(p), _G_KINDS[g.dtype], _kind(m), _kind(v),
                {torch.bfloat16: 1, torch.float16: 2}.get(g.dtype, 0) if coef != 1.0 else 0,
                tuple(sorted(ra["consts"].items())))
         b1, b2, omb1, omb2, eps, bc1, bc2_sqrt = ra["scalars"]
         row_ints = [out_f, in_f, _cdiv(in_f, K.Q_BLOCK), p2.stride(0), p2.stride(1),
                     K.as_int32(K.noise_key(seeds["p"])), K.as_int32(K.noise_key(seeds[(names or ("p",))[-1]])),
                     K.as_int32(offset)]
-        row_ptrs = [p2.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), m_scale.data_ptr(),
-                    scale.get("exp_avg_sq", m_scale).data_ptr()]
         row_floats = [float(hp["lr"]), b1, b2, omb1, omb2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt]
         tiles = _cdiv(out_f, bm) * _cdiv(in_f, bn)
         # (the tensors themselves stay referenced until the launch: their addresses are in the tables)
         groups.setdefault(key, []).append((row_ptrs, row_ints, row_floats, tiles, (p2, g, m, v, m_scale),
                                            (p, g, st, hp, step, seed, offset)))
     norm, bad = sums
-    for (dev, bm, bn, w_kind, g_kind, m_kind, v_kind, g_lowp, consts), rows in groups.items():
+    for (dev, aligned, bm, bn, w_kind, g_kind, m_kind, v_kind, g_lowp, consts), rows in groups.items():
         if _GROUP_FAILED:  # (the grouped kernel failed to build here once: one launch per tensor)
             for item in (r[5] for r in rows):
                 update_step(rule, *item[:5], coef=coef, stochastic_rounding=stochastic_rounding, seed=item[5],
@@ -611,6 +626,7 @@ def update_many(
                 ptrs, ints, floats, starts_t, len(rows), norm, bad, float(coef),
                 W_KIND=w_kind, G_KIND=g_kind, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding),
                 G_LOWP=g_lowp, **dict(consts), BM=bm, BN=bn, SEARCH_STEPS=max(1, len(rows).bit_length()),
+                ALIGNED=aligned,
                 num_warps=4, num_stages=1,
             )
         except Exception as e:  # a compiler or platform problem, raised before the kernel ran: nothing was written

@@ -220,7 +220,8 @@ class ExactClipping:
         # MEMGRAD_FORGE_GROUPED=1: updates from gradients the replay holds anyway (kept linear tiles, hooked
         # parameters' own gradients) are launched together at its end (_update): one grouped Triton launch per kind
         # of tensor instead of one per tensor. Off by default: its one GPU timing so far (run I, H200, ~1B compiled
-        # forge_lion) was 1.40x adamw_torch_fused's step against 1.13x one launch per tensor; not yet understood
+        # forge_lion) was 1.40x adamw_torch_fused's step against 1.13x one launch per tensor, before the kernel's
+        # alignment hints (benchmarks/RESULTS.md, run I)
         grouped = os.environ.get("MEMGRAD_FORGE_GROUPED", "0").strip() == "1"
         self._grouped = [] if self._mode == "apply" and grouped else None
         try:
