@@ -479,11 +479,6 @@ def update_step(
     return norm, bad
 
 
-# Per-tensor tables of update_many's grouped launch: pointers (p, g, m, v, m scales, v scales), int32 values and the
-# rule's fp32 scalars, one row per tensor
-_PTRS, _INTS, _FLOATS = 6, 8, 9
-
-
 @triton.jit
 def _typed(addr, KIND: tl.constexpr):
     """An address from a table as a pointer to fp32 (0), bf16 (1), 8-bit codes (2) or fp16 (3)."""
@@ -505,7 +500,10 @@ def _forge_group_kernel(
 ):
     """:func:`update_step`'s tile for many tensors in one launch: program ``pid`` finds its tensor ``t`` (the last
     with ``starts[t] <= pid``, by binary search over the ``n_tensors + 1`` tile offsets), reads that tensor's pointers
-    and values from the tables, and runs the same :func:`_forge_tile` as the one-tensor launch.
+    and values from the tables, and runs the same :func:`_forge_tile` as the one-tensor launch. Tables, one row per
+    tensor: ``ptrs`` int64 (p, g, m, v, m scales, v scales), ``ints`` int64 (rows, columns, scale columns, row
+    stride, column stride (1), weight noise key, state noise key, element offset), ``floats`` fp32 (lr, beta1, beta2,
+    1 - beta1, 1 - beta2, eps, weight decay, bias corrections 1 and sqrt 2).
 
     A pointer or stride read from a table tells the compiler nothing of its alignment, which the one-tensor launch
     gets from its arguments' specialization (16-byte aligned pointers, a row stride divisible by 16, a column stride
