@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -165,29 +165,6 @@ def _store_state(ptr, scale_ptr, offs, sblk, smask, mask, x, key, idx, KIND: tl.
 # noise keys and offsets are data: a value of 1 must not become a compile-time constant (no .to() on those)
 @triton.jit(do_not_specialize=["key_w", "key_v", "idx_off"])
 def _forge_linear_kernel(
-    dy_ptr, x_ptr, w_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, acc_ptr, norm_ptr, bad_ptr,
-    N, OUT, IN, S_COLS,
-    s_dyn, s_dyo, s_xn, s_xi, s_wo, s_wi,
-    lr, beta1, beta2, omb1, omb2, eps, wd, bc1, bc2_sqrt, key_w, key_v, coef, idx_off,
-    FROM_GRAD: tl.constexpr, HAS_ACC: tl.constexpr, RULE: tl.constexpr, LOWP: tl.constexpr,
-    IS_BF16: tl.constexpr, W_BF16: tl.constexpr,
-    M_KIND: tl.constexpr, V_KIND: tl.constexpr, W_SR: tl.constexpr, G_LOWP: tl.constexpr, ACC_LOWP: tl.constexpr,
-    TENSOR_CORES: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr, FIRST: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-):
-    """One tile per program (:func:`_forge_tile`), the grid ``(row tiles, column tiles)`` of one weight."""
-    _forge_tile(
-        tl.program_id(0), tl.program_id(1),
-        dy_ptr, x_ptr, w_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, acc_ptr, norm_ptr, bad_ptr,
-        N, OUT, IN, S_COLS, s_dyn, s_dyo, s_xn, s_xi, s_wo, s_wi,
-        lr, beta1, beta2, omb1, omb2, eps, wd, bc1, bc2_sqrt, key_w, key_v, coef, idx_off,
-        FROM_GRAD, HAS_ACC, RULE, LOWP, IS_BF16, W_BF16, M_KIND, V_KIND, W_SR, G_LOWP, ACC_LOWP,
-        TENSOR_CORES, HAS_M, NESTEROV, FIRST, BM, BN, BK,
-    )
-
-
-@triton.jit
-def _forge_tile(
     pid_m, pid_n,
     dy_ptr, x_ptr, w_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, acc_ptr, norm_ptr, bad_ptr,
     N, OUT, IN, S_COLS,
@@ -197,12 +174,17 @@ def _forge_tile(
     IS_BF16: tl.constexpr, W_BF16: tl.constexpr,
     M_KIND: tl.constexpr, V_KIND: tl.constexpr, W_SR: tl.constexpr, G_LOWP: tl.constexpr, ACC_LOWP: tl.constexpr,
     TENSOR_CORES: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr, FIRST: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PIDS_GIVEN: tl.constexpr = False,
 ):
-    """Tile ``(pid_m, pid_n)`` of a weight: its ``dW`` (or given gradient) and update. RULE: 0 AdamW, 1 Lion, 2 SGD
-    (beta1 = momentum, beta2 = dampening; HAS_M: a momentum buffer in m_ptr; FIRST: the buffer's first step, which
-    takes the direction as it is, as torch.optim.SGD does). ``omb1``/``omb2``: 1 - beta1 / 1 - beta2 computed on the
-    host in fp64, as torch.optim passes them (1 - fp32(0.99) is 1e-6 off)."""
+    """Tile ``(pid_m, pid_n)`` of a weight: its ``dW`` (or given gradient) and update. Launched on the grid ``(row
+    tiles, column tiles)`` of one weight, the tile is the program's (the ``pid`` arguments are then ignored: pass 0);
+    called from :func:`_forge_group_kernel` with ``PIDS_GIVEN``, the given one. RULE: 0 AdamW, 1 Lion, 2 SGD (beta1 =
+    momentum, beta2 = dampening; HAS_M: a momentum buffer in m_ptr; FIRST: the buffer's first step, which takes the
+    direction as it is, as torch.optim.SGD does). ``omb1``/``omb2``: 1 - beta1 / 1 - beta2 computed on the host in
+    fp64, as torch.optim passes them (1 - fp32(0.99) is 1e-6 off)."""
+    if not PIDS_GIVEN:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     rmask = rows < OUT
@@ -375,7 +357,7 @@ def linear_weight_step(
     b1, b2, omb1, omb2, eps, bc1, bc2_sqrt = ra["scalars"]
     grid = (_cdiv(out_f, bm), _cdiv(in_f, bn))
     _forge_linear_kernel[grid](
-        dy, x, w, *(t.view(torch.uint8) if t.dtype == K.Q_DTYPE else t for t in (m, v)),  # codes as bytes
+        0, 0, dy, x, w, *(t.view(torch.uint8) if t.dtype == K.Q_DTYPE else t for t in (m, v)),  # codes as bytes
         m_scale, st.get("exp_avg_sq.scale", m_scale),
         acc if acc is not None else w, norm, bad,
         n, out_f, in_f, _cdiv(in_f, K.Q_BLOCK),
@@ -426,6 +408,48 @@ def linear_weight_step_split(
     return sums
 
 
+class _UpdateOperands(NamedTuple):
+    """What the update kernel takes for one tensor, whichever way it is launched (one or many tensors per launch)."""
+
+    p2: Tensor  # the parameter as rows x columns (a 1-row view of a vector)
+    g2: Tensor
+    m: Tensor  # first state tensor (codes as bytes), or p2 as a placeholder pointer where the rule keeps no state
+    v: Tensor
+    m_scale: Tensor  # 8-bit scales, or p2 as a placeholder
+    v_scale: Tensor
+    bm: int
+    bn: int
+    consts: dict[str, Any]  # the rule's compile-time constants
+    scalars: list[float]  # lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight decay, bc1, sqrt(bc2)
+    keys: list[int]  # weight noise key, state noise key, element offset (int32)
+
+
+def _update_operands(rule: str, p: Tensor, g: Tensor, st: dict[str, Tensor], hp: dict[str, Any], step: int,
+                     seed: int, offset: int) -> _UpdateOperands:
+    names = K.RULES[rule][1]
+    if not (p.is_contiguous() and g.is_contiguous() and all(v.is_contiguous() for v in st.values())):
+        raise ValueError("the Triton FORGE update takes contiguous tensors")
+    ra = _rule_args(rule, hp, step)
+    cols = p.shape[-1] if p.dim() >= 2 else max(p.numel(), 1)
+    as2d = lambda t: t.view(-1, cols) if t.dim() >= 2 and t.shape[-1] == cols else t.view(1, -1)  # noqa: E731
+    codes = lambda t: t.view(torch.uint8) if t.dtype == K.Q_DTYPE else t  # noqa: E731
+    p2, g2 = as2d(p), as2d(g)
+    m = codes(as2d(st[names[0]])) if names else p2
+    v = codes(as2d(st["exp_avg_sq"])) if "exp_avg_sq" in st else m
+    scale = {k: st[k + ".scale"] for k in names if k + ".scale" in st}
+    bm, bn = (64, 64) if p2.shape[0] > 1 else (1, 1024)  # a 1-row tensor (a norm's gain): wide tiles, no masked rows
+    if scale:
+        bm, bn = 64, K.Q_BLOCK  # 8-bit state: a tile's row is one scale block
+    m_scale = scale.get(names[0], p2) if names else p2
+    b1, b2, omb1, omb2, eps, bc1, bc2_sqrt = ra["scalars"]
+    seeds = K.rounding_seeds(seed, names)
+    return _UpdateOperands(
+        p2, g2, m, v, m_scale, scale.get("exp_avg_sq", m_scale), bm, bn, ra["consts"],
+        [float(hp["lr"]), b1, b2, omb1, omb2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt],
+        [K.as_int32(K.noise_key(seeds["p"])), K.as_int32(K.noise_key(seeds[(names or ("p",))[-1]])),
+         K.as_int32(offset)])
+
+
 def update_step(
     rule: str,
     p: Tensor,
@@ -444,37 +468,19 @@ def update_step(
     """The update of any parameter (or contiguous row block of one) from its given gradient ``g``, in one kernel and
     without a host sync: the twin of :func:`memgrad_hf.kernels.forge.update_step` (same signature). ``coef`` scales
     ``g`` after its norm is taken; ``offset``: index of ``p``'s first element in the whole parameter (noise)."""
-    ra = _rule_args(rule, hp, step)
-    names = K.RULES[rule][1]
-    if not (p.is_contiguous() and g.is_contiguous() and all(v.is_contiguous() for v in st.values())):
-        raise ValueError("the Triton FORGE update takes contiguous tensors")
-    cols = p.shape[-1] if p.dim() >= 2 else max(p.numel(), 1)
-    as2d = lambda t: t.view(-1, cols) if t.dim() >= 2 and t.shape[-1] == cols else t.view(1, -1)  # noqa: E731
-    p2, g2 = as2d(p), as2d(g)
-    m = as2d(st[names[0]]) if names else p2  # p2: a placeholder pointer where the rule keeps no state
-    v = as2d(st["exp_avg_sq"]) if "exp_avg_sq" in st else m
-    scale = {k: st[k + ".scale"] for k in names if k + ".scale" in st}
-    out_f, in_f = p2.shape
+    u = _update_operands(rule, p, g, st, hp, step, seed, offset)
+    out_f, in_f = u.p2.shape
     norm, bad = _sums(sums, p.device)
-    seeds = K.rounding_seeds(seed, names)
-    bm, bn = (64, 64) if out_f > 1 else (1, 1024)  # a 1-row tensor (a norm's gain): wide tiles, no masked rows
-    if scale:
-        bm, bn = 64, K.Q_BLOCK  # 8-bit state: a tile's row is one scale block
-    grid = (_cdiv(out_f, bm), _cdiv(in_f, bn))
-    m_scale = scale.get(names[0], p2) if names else p2
-    b1, b2, omb1, omb2, eps, bc1, bc2_sqrt = ra["scalars"]
-    _forge_linear_kernel[grid](
-        g2, g2, p2, *(t.view(torch.uint8) if t.dtype == K.Q_DTYPE else t for t in (m, v)),
-        m_scale, scale.get("exp_avg_sq", m_scale), g2, norm, bad,
+    key_w, key_v, offset32 = u.keys
+    _forge_linear_kernel[(_cdiv(out_f, u.bm), _cdiv(in_f, u.bn))](
+        0, 0, u.g2, u.g2, u.p2, u.m, u.v, u.m_scale, u.v_scale, u.g2, norm, bad,
         0, out_f, in_f, _cdiv(in_f, K.Q_BLOCK),
-        0, 0, 0, 0, p2.stride(0), p2.stride(1),
-        float(hp["lr"]), b1, b2, omb1, omb2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt,
-        K.as_int32(K.noise_key(seeds["p"])), K.as_int32(K.noise_key(seeds[(names or ("p",))[-1]])), float(coef),
-        K.as_int32(offset),
-        FROM_GRAD=True, HAS_ACC=True, LOWP=False, IS_BF16=False, **ra["consts"],
-        W_BF16=p.dtype == torch.bfloat16, M_KIND=_kind(m), V_KIND=_kind(v), W_SR=bool(stochastic_rounding),
-        G_LOWP={torch.bfloat16: 1, torch.float16: 2}.get(g.dtype, 0) if coef != 1.0 else 0, ACC_LOWP=0,
-        BM=bm, BN=bn, BK=16, TENSOR_CORES=False, num_warps=4, num_stages=1,
+        0, 0, 0, 0, u.p2.stride(0), u.p2.stride(1),
+        *u.scalars, key_w, key_v, float(coef), offset32,
+        FROM_GRAD=True, HAS_ACC=True, LOWP=False, IS_BF16=False, **u.consts,
+        W_BF16=p.dtype == torch.bfloat16, M_KIND=_kind(u.m), V_KIND=_kind(u.v), W_SR=bool(stochastic_rounding),
+        G_LOWP=_G_LOWP.get(g.dtype, 0) if coef != 1.0 else 0, ACC_LOWP=0,
+        BM=u.bm, BN=u.bn, BK=16, TENSOR_CORES=False, num_warps=4, num_stages=1,
     )
     return norm, bad
 
@@ -500,10 +506,10 @@ def _forge_group_kernel(
 ):
     """:func:`update_step`'s tile for many tensors in one launch: program ``pid`` finds its tensor ``t`` (the last
     with ``starts[t] <= pid``, by binary search over the ``n_tensors + 1`` tile offsets), reads that tensor's pointers
-    and values from the tables, and runs the same :func:`_forge_tile` as the one-tensor launch. Tables, one row per
-    tensor: ``ptrs`` int64 (p, g, m, v, m scales, v scales), ``ints`` int64 (rows, columns, scale columns, row
-    stride, column stride (1), weight noise key, state noise key, element offset), ``floats`` fp32 (lr, beta1, beta2,
-    1 - beta1, 1 - beta2, eps, weight decay, bias corrections 1 and sqrt 2).
+    and values from the tables, and runs :func:`_forge_linear_kernel` on that tile as the one-tensor launch does.
+    Tables, one row per tensor: ``ptrs`` int64 (p, g, m, v, m scales, v scales), ``ints`` int64 (rows, columns,
+    scale columns, row stride, column stride (1), weight noise key, state noise key, element offset), ``floats`` fp32
+    (lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight decay, bias corrections 1 and sqrt 2).
 
     A pointer or stride read from a table tells the compiler nothing of its alignment, which the one-tensor launch
     gets from its arguments' specialization (16-byte aligned pointers, a row stride divisible by 16, a column stride
@@ -537,7 +543,7 @@ def _forge_group_kernel(
         v_ptr = tl.multiple_of(v_ptr, 16)
         s_wo = tl.multiple_of(s_wo, 16)
     frow = floats + t * 9
-    _forge_tile(
+    _forge_linear_kernel(
         local // tiles_n, local % tiles_n,
         g_ptr, g_ptr, w_ptr, m_ptr, v_ptr,
         _typed(tl.load(prow + 4), 0), _typed(tl.load(prow + 5), 0), g_ptr, norm_ptr, bad_ptr,
@@ -546,11 +552,12 @@ def _forge_group_kernel(
         tl.load(frow + 6), tl.load(frow + 7), tl.load(frow + 8),
         tl.load(row + 5).to(tl.int32), tl.load(row + 6).to(tl.int32), coef, tl.load(row + 7).to(tl.int32),
         True, True, RULE, False, False, W_KIND == 1, M_KIND, V_KIND, W_SR, G_LOWP, 0,
-        False, HAS_M, NESTEROV, FIRST, BM, BN, 16,
+        False, HAS_M, NESTEROV, FIRST, BM, BN, 16, True,
     )
 
 
 _G_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 3}
+_G_LOWP = {torch.bfloat16: 1, torch.float16: 2}  # a low-precision gradient, rounded back after clipping scales it
 _GROUP_FAILED: list[str] = []  # why the grouped kernel could not be built, once: update_many then launches per tensor
 
 
@@ -568,49 +575,34 @@ def update_many(
     ``stochastic_rounding`` are shared. The same arithmetic per element as one :func:`update_step` per item (the
     norm² sums may add in another order). Its torch twin is that loop (:func:`memgrad_hf.kernels.forge.update_step`
     per item)."""
-    names = K.RULES[rule][1]
     sums = _sums(sums, items[0][0].device) if items else _sums(sums, torch.device("cpu"))
+
+    def one_by_one(some: Any) -> None:
+        for p, g, st, hp, step, seed, offset in some:
+            update_step(rule, p, g, st, hp, step, coef=coef, stochastic_rounding=stochastic_rounding, seed=seed,
+                        offset=offset, sums=sums)
+
     groups: dict[tuple, list] = {}
     for p, g, st, hp, step, seed, offset in items:
         if (p.dtype not in (torch.float32, torch.bfloat16) or g.dtype not in _G_KINDS or p.numel() >= 1 << 31
                 or not (p.is_contiguous() and g.is_contiguous() and all(v.is_contiguous() for v in st.values()))):
-            update_step(rule, p, g, st, hp, step, coef=coef, stochastic_rounding=stochastic_rounding, seed=seed,
-                        offset=offset, sums=sums)  # (its errors and its wider dtypes)
+            one_by_one([(p, g, st, hp, step, seed, offset)])  # (its errors and its wider dtypes)
             continue
-        ra = _rule_args(rule, hp, step)
-        cols = p.shape[-1] if p.dim() >= 2 else max(p.numel(), 1)
-        as2d = lambda t, c=cols: t.view(-1, c) if t.dim() >= 2 and t.shape[-1] == c else t.view(1, -1)  # noqa: E731
-        p2 = as2d(p)
-        m = as2d(st[names[0]]) if names else p2
-        v = as2d(st["exp_avg_sq"]) if "exp_avg_sq" in st else m
-        scale = {k: st[k + ".scale"] for k in names if k + ".scale" in st}
-        out_f, in_f = p2.shape
-        bm, bn = (64, 64) if out_f > 1 else (1, 1024)
-        if scale:
-            bm, bn = 64, K.Q_BLOCK
-        m_scale = scale.get(names[0], p2) if names else p2
-        seeds = K.rounding_seeds(seed, names)
-        row_ptrs = [p2.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), m_scale.data_ptr(),
-                    scale.get("exp_avg_sq", m_scale).data_ptr()]
-        aligned = all(a % 16 == 0 for a in row_ptrs[:4]) and p2.stride(0) % 16 == 0  # (the kernel's hints)
-        key = (p.device, aligned, bm, bn, _kind(p), _G_KINDS[g.dtype], _kind(m), _kind(v),
-               {torch.bfloat16: 1, torch.float16: 2}.get(g.dtype, 0) if coef != 1.0 else 0,
-               tuple(sorted(ra["consts"].items())))
-        b1, b2, omb1, omb2, eps, bc1, bc2_sqrt = ra["scalars"]
-        row_ints = [out_f, in_f, _cdiv(in_f, K.Q_BLOCK), p2.stride(0), p2.stride(1),
-                    K.as_int32(K.noise_key(seeds["p"])), K.as_int32(K.noise_key(seeds[(names or ("p",))[-1]])),
-                    K.as_int32(offset)]
-        row_floats = [float(hp["lr"]), b1, b2, omb1, omb2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt]
-        tiles = _cdiv(out_f, bm) * _cdiv(in_f, bn)
+        u = _update_operands(rule, p, g, st, hp, step, seed, offset)
+        out_f, in_f = u.p2.shape
+        row_ptrs = [t.data_ptr() for t in (u.p2, u.g2, u.m, u.v, u.m_scale, u.v_scale)]
+        aligned = all(a % 16 == 0 for a in row_ptrs[:4]) and u.p2.stride(0) % 16 == 0  # (the kernel's hints)
+        key = (p.device, aligned, u.bm, u.bn, _kind(p), _G_KINDS[g.dtype], _kind(u.m), _kind(u.v),
+               _G_LOWP.get(g.dtype, 0) if coef != 1.0 else 0, tuple(sorted(u.consts.items())))
+        row_ints = [out_f, in_f, _cdiv(in_f, K.Q_BLOCK), u.p2.stride(0), u.p2.stride(1), *u.keys]
+        tiles = _cdiv(out_f, u.bm) * _cdiv(in_f, u.bn)
         # (the tensors themselves stay referenced until the launch: their addresses are in the tables)
-        groups.setdefault(key, []).append((row_ptrs, row_ints, row_floats, tiles, (p2, g, m, v, m_scale),
+        groups.setdefault(key, []).append((row_ptrs, row_ints, u.scalars, tiles, u,
                                            (p, g, st, hp, step, seed, offset)))
     norm, bad = sums
     for (dev, aligned, bm, bn, w_kind, g_kind, m_kind, v_kind, g_lowp, consts), rows in groups.items():
         if _GROUP_FAILED:  # (the grouped kernel failed to build here once: one launch per tensor)
-            for item in (r[5] for r in rows):
-                update_step(rule, *item[:5], coef=coef, stochastic_rounding=stochastic_rounding, seed=item[5],
-                            offset=item[6], sums=sums)
+            one_by_one(r[5] for r in rows)
             continue
         starts = [0]
         for r in rows:
@@ -624,14 +616,11 @@ def update_many(
                 ptrs, ints, floats, starts_t, len(rows), norm, bad, float(coef),
                 W_KIND=w_kind, G_KIND=g_kind, M_KIND=m_kind, V_KIND=v_kind, W_SR=bool(stochastic_rounding),
                 G_LOWP=g_lowp, **dict(consts), BM=bm, BN=bn, SEARCH_STEPS=max(1, len(rows).bit_length()),
-                ALIGNED=aligned,
-                num_warps=4, num_stages=1,
+                ALIGNED=aligned, num_warps=4, num_stages=1,
             )
         except Exception as e:  # a compiler or platform problem, raised before the kernel ran: nothing was written
             _GROUP_FAILED.append(repr(e))
             logger.warning("memgrad_hf: the grouped FORGE update kernel is unavailable (%s); launching one kernel per "
                            "tensor instead.", str(e).strip().splitlines()[-1] if str(e).strip() else repr(e))
-            for item in (r[5] for r in rows):
-                update_step(rule, *item[:5], coef=coef, stochastic_rounding=stochastic_rounding, seed=item[5],
-                            offset=item[6], sums=sums)
+            one_by_one(r[5] for r in rows)
     return sums
