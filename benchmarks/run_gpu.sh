@@ -67,13 +67,15 @@ raise SystemExit(len(g.FAILED))" 2>&1 | tee "$out/checks.md" || status=1 ;;
       # the grouped kernel compiled against one launch per tensor (bit-identical expected; run I's 55 s limit cut it
       # short), then the same timing with and without grouping (two processes), then where a step's host time goes
       # (cProfile of one compiled step, Triton's launcher included).
-      timeout -k 5 120 python tests/optim/_triton_group_check.py cuda 2>&1 | tee "$out/checks.md" || status=1
+      # (the one-tensor kernel's signature changed after run I, in review: its twin check first)
+      timeout -k 5 60 python tests/optim/_triton_twin_check.py cuda 2>&1 | tee "$out/checks.md" || status=1
+      timeout -k 5 120 python tests/optim/_triton_group_check.py cuda 2>&1 | tee -a "$out/checks.md" || status=1
       for grouped in 0 1; do
         MEMGRAD_FORGE_GROUPED=$grouped timeout -k 5 130 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 \
           --layers 16 --vocab 32000 --batch 1 --seq 1024 --steps 10 --repeats 1 --in-process-memory --configs \
           adamw_torch_fused forge_lion+8bit_state+split+compile 2>&1 | tee "$out/forge-grouped-$grouped.md" || status=1
       done
-      timeout -k 5 140 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
+      timeout -k 5 100 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 4 --repeats 1 --host-profile --configs forge_lion+8bit_state+split+compile \
         2>&1 | tee "$out/forge-host-profile.md" || status=1 ;;
     bnb)  # a second call straight after `next` on the warm machine, whose /tmp/site is kept: `next`'s call carries
