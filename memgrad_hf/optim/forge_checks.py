@@ -13,7 +13,7 @@ from memgrad_hf.kernels import forge as K
 
 log = logging.getLogger("memgrad_hf.forge")
 
-_CHOICES = {"clip": ("exact", "previous"), "clip_pass": ("auto", "replay", "backward"),
+OPTION_CHOICES = {"clip": ("exact", "previous"), "clip_pass": ("auto", "replay", "backward"),
             "head_grad": ("auto", "recompute", "hold"), "kernel": ("auto", "fused", "split")}
 
 
@@ -21,8 +21,8 @@ def check_options(*, tile_bytes: int | None, max_grad_norm: float | None, **choi
     """Refuse a FORGE constructor option outside its choices (``clip``, ``clip_pass``, ``head_grad``, ``kernel``), a
     non-positive ``tile_bytes`` or a negative or non-finite ``max_grad_norm``."""
     for name, value in choices.items():
-        if value not in _CHOICES[name]:
-            raise ValueError(f"{name} must be one of {_CHOICES[name]}; got {value!r}.")
+        if value not in OPTION_CHOICES[name]:
+            raise ValueError(f"{name} must be one of {OPTION_CHOICES[name]}; got {value!r}.")
     if tile_bytes is not None and int(tile_bytes) < 1:
         raise ValueError(f"tile_bytes must be a positive number of bytes (or None: automatic); got {tile_bytes}.")
     if max_grad_norm is None or max_grad_norm < 0 or not math.isfinite(max_grad_norm):

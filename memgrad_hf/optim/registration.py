@@ -78,6 +78,7 @@ _ADAM_ONLY = ("betas", "beta1", "beta2", "adam_beta1", "adam_beta2", "eps", "eps
 
 def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
     from memgrad_hf.optim.forge import ForgeAdamW, ForgeLion, ForgeSGD
+    from memgrad_hf.optim.forge_checks import OPTION_CHOICES, parse_state_dtype
 
     args = ctx.args
     name = str(getattr(args.optim, "value", args.optim))
@@ -92,8 +93,11 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
     kwargs["_trainer_managed"] = True  # (the root and exact clipping hook into Accelerator.backward)
     kwargs["max_grad_norm"] = float(args.max_grad_norm or 0.0)
     for key, value in (ctx.optim_args or {}).items():
-        if key in ("clip", "clip_pass", "head_grad", "kernel"):
+        key = key.strip().lower()
+        if key in OPTION_CHOICES:
             kwargs[key] = value.strip().lower()
+            if kwargs[key] not in OPTION_CHOICES[key]:
+                raise ValueError(f"optim_args {key} must be one of {OPTION_CHOICES[key]}; got {value!r}.")
         elif key == "tile_bytes":
             kwargs["tile_bytes"] = _parse_bytes(value)
         elif key == "max_grad_norm":
@@ -104,6 +108,10 @@ def _handler(ctx: Any) -> tuple[Any, dict[str, Any]]:
         elif key in ("stochastic_rounding", "bf16_stochastic_round"):
             kwargs["stochastic_rounding"] = _parse_bool(value, key)
         elif key == "state_dtype":
+            try:
+                parse_state_dtype(value)
+            except ValueError as e:
+                raise ValueError(f"optim_args {e}") from None
             kwargs["state_dtype"] = value
         elif cls is ForgeSGD and key in ("momentum", "dampening"):
             kwargs[key] = _parse_float(key, value)

@@ -92,14 +92,16 @@ def hook_trainer_compute_loss() -> None:
             target = _patched_lm(self, model)
         if target is None:
             return original(self, model, inputs, *args, **kwargs)
-        if loss_only:
-            inputs = {**inputs, "skip_logits": True}
         smoother = self.label_smoother
+        # (only where the model keeps its labels: where the smoother takes them, full logits are what it needs)
+        with_skip = {**inputs, "skip_logits": True} if loss_only else inputs
+        if smoother is None:
+            return original(self, model, with_skip, *args, **kwargs)
         # The same normalization on both paths needs the model to receive num_items_in_batch
         # (model_accepts_loss_kwargs): otherwise the stock path divides by the whole batch's count, the model's loss
         # by the micro-batch's.
-        if smoother is None or not self.model_accepts_loss_kwargs or getattr(smoother, "ignore_index", -100) != -100:
-            return original(self, model, inputs, *args, **kwargs)  # with a smoother: labels popped, full logits
+        if not self.model_accepts_loss_kwargs or getattr(smoother, "ignore_index", -100) != -100:
+            return original(self, model, inputs, *args, **kwargs)  # labels popped by the smoother, full logits
         if not _uses_loss_function(target):
             if not getattr(self, "_memgrad_own_ce_warned", False):
                 self._memgrad_own_ce_warned = True
@@ -114,7 +116,7 @@ def hook_trainer_compute_loss() -> None:
         self.label_smoother = None  # the stock method then leaves the labels in and returns the model's loss
         try:
             with head_label_smoothing(target, smoother.epsilon):
-                return original(self, model, inputs, *args, **kwargs)
+                return original(self, model, with_skip, *args, **kwargs)
         finally:
             self.label_smoother = smoother
 

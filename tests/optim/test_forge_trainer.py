@@ -404,10 +404,17 @@ def test_fp16_and_bad_optim_args_are_refused(tmp_path):
                     train_dataset=_data()).create_optimizer()
     # Lion has no epsilon: it was sent to --adam_epsilon, which Lion ignores; a bad flag names its key
     for optim_args, want in (("eps=1e-6", "forge_lion has no epsilon"),
-                             ("stochastic_rounding=maybe", "optim_args stochastic_rounding must be true or false")):
+                             ("stochastic_rounding=maybe", "optim_args stochastic_rounding must be true or false"),
+                             # a value outside its choices names optim_args too, as a bad key does
+                             ("clip=exakt", r"optim_args clip must be one of \('exact', 'previous'\); got 'exakt'"),
+                             ("state_dtype=bf32", "optim_args state_dtype must be one of")):
         with pytest.raises(ValueError, match=want):
             Trainer(model=model, args=_args(tmp_path, "forge_lion", optim_args=optim_args),
                     train_dataset=_data()).create_optimizer()
+    # keys as values are read case-insensitively (an upper-case key is no typo)
+    opt = Trainer(model=model, args=_args(tmp_path, "forge_adamw", optim_args=" CLIP = Previous ,State_Dtype=BF16"),
+                  train_dataset=_data()).create_optimizer()
+    assert (opt.clip, opt.state_dtype) == ("previous", torch.bfloat16)
     with pytest.raises(TypeError, match="hyperparameters are model, lr, momentum"):  # a misspelt momentum
         ForgeSGD(model.parameters(), model=model, momentm=0.9)
 
