@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -499,15 +500,24 @@ def _as_config(titans: Any) -> TitansConfig:
     )
 
 
+def _layer_index(i: Any) -> int:
+    """``i`` as a Python int: numpy and 0-d tensor integers are accepted (``np.arange``), bools and floats are not."""
+    if isinstance(i, bool) or getattr(i, "dtype", None) == torch.bool:
+        raise ValueError(f"TitansConfig.layers: {i!r} is not an integer layer index.")
+    try:
+        return operator.index(i)
+    except TypeError:
+        raise ValueError(f"TitansConfig.layers: {i!r} is not an integer layer index.") from None
+
+
 def _resolve_layers(indices: Any, n: int) -> list[int]:
-    if isinstance(indices, int):
+    if isinstance(indices, int) or getattr(indices, "ndim", None) == 0:
         indices = [indices]
+    indices = list(indices)  # (not `if not indices`: a tensor's truth is its value, tensor([0]) is falsy)
     if not indices:
         raise ValueError("TitansConfig.layers is empty; name at least one decoder layer (e.g. layers=[-1]).")
     out = []
-    for i in indices:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise ValueError(f"TitansConfig.layers: {i!r} is not an integer layer index.")
+    for i in map(_layer_index, indices):
         if not -n <= i < n:
             raise ValueError(f"TitansConfig.layers: index {i} is out of range for a model with {n} decoder layers.")
         j = i % n

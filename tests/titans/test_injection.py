@@ -484,6 +484,14 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="chunk_size"):  # the head patch fails after injection: rolled back
         memgrad_hf.patch_model(model, titans=TitansConfig(layers=[0], **CFG), chunk_size=-1)
     assert not is_titans_patched(model) and not is_head_patched(model)
+    with pytest.raises(ValueError, match="True is not an integer layer index"):
+        memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[True]))
+    # integer-likes as users hold them (np.arange, a tensor: tensor([0]) is falsy, yet not empty) are indices
+    import numpy as np
+    for layers in (np.arange(1), torch.tensor([0]), [np.int64(-2)]):
+        twin = tiny_model("llama")
+        memgrad_hf.patch_model(twin, head=False, titans=TitansConfig(layers=layers, **CFG))
+        assert twin.config.memgrad_titans["layers"] == [0] and type(twin.config.memgrad_titans["layers"][0]) is int
     memgrad_hf.patch_model(model, head=False, titans=TitansConfig(layers=[-2], **CFG))
     assert model.config.memgrad_titans["layers"] == [0]
     with pytest.raises(ValueError, match="already has Titans"):
