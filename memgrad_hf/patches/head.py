@@ -92,25 +92,49 @@ def resolve_head(head: nn.Module, hidden: torch.Tensor, owner: str) -> tuple[tor
     )
 
 
-def _resolve_lora(head: nn.Module, hidden: torch.Tensor, owner: str):
+def _check_lora_head(head: nn.Module, owner: str, adapters: Any = None) -> None:
+    """Refuse a PEFT LoRA head the chunked head cannot reproduce (``adapters``: those to check, default all)."""
     base = head.get_base_layer()
     if not _is_plain_linear(base):
-        raise UnsupportedModelError(f"{owner}: LoRA on an LM head whose base layer is {type(base).__name__}.")
+        raise UnsupportedModelError(f"{owner}: LoRA on an LM head whose base layer is {type(base).__name__}. Use "
+                                    "patch_model(model, head=False).")
+    if head.fan_in_fan_out:
+        raise UnsupportedModelError(f"{owner}: LoRA with fan_in_fan_out=True on the LM head is not supported. Use "
+                                    "patch_model(model, head=False).")
+    variants = getattr(head, "lora_variant", {})
+    for name in head.lora_A if adapters is None else adapters:
+        if name in variants:
+            raise UnsupportedModelError(
+                f"{owner}: the LM head's LoRA adapter {name!r} is a {type(variants[name]).__name__} "
+                "variant (e.g. DoRA); memgrad_hf supports vanilla LoRA on lm_head. Drop lm_head from "
+                "target_modules or use patch_model(model, head=False)."
+            )
+
+
+def _check_head_adapters(head: nn.Module, owner: str) -> None:
+    """At ``patch_model``: the refusals :func:`resolve_head` would raise at the first training forward, for the PEFT
+    LoRA adapters the head (or a ``modules_to_save`` copy of it) already has."""
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:
+        return
+    for m in head.modules():
+        if isinstance(m, LoraLinear):
+            _check_lora_head(m, owner)
+
+
+def _resolve_lora(head: nn.Module, hidden: torch.Tensor, owner: str):
+    base = head.get_base_layer()
     weight, bias = base.weight, base.bias
     if head.disable_adapters or head.merged:
+        if not _is_plain_linear(base):
+            _check_lora_head(head, owner, ())
         return hidden, weight, bias
-    if head.fan_in_fan_out:
-        raise UnsupportedModelError(f"{owner}: LoRA with fan_in_fan_out=True on the LM head is not supported.")
+    _check_lora_head(head, owner, head.active_adapters)
     cols_h, cols_w = [hidden], [weight]
     for name in head.active_adapters:
         if name not in head.lora_A:
             continue
-        if name in getattr(head, "lora_variant", {}):
-            raise UnsupportedModelError(
-                f"{owner}: the LM head's LoRA adapter {name!r} is a {type(head.lora_variant[name]).__name__} "
-                "variant (e.g. DoRA); memgrad_hf supports vanilla LoRA on lm_head. Drop lm_head from "
-                "target_modules or use patch_model(model, head=False)."
-            )
         a, b = head.lora_A[name], head.lora_B[name]
         if b.bias is not None:  # (lora_bias=True) PEFT scales lora_B's whole output, its bias included
             scaled = b.bias * head.scaling[name]
@@ -527,6 +551,7 @@ def validate(model: nn.Module) -> None:
         )
     if "labels" not in inspect.signature(type(model).forward).parameters:
         raise UnsupportedModelError(f"{owner}.forward takes no `labels`; it is not a causal or masked LM with a loss.")
+    _check_head_adapters(head, owner)
     problem = _loss_not_served(model)
     if problem:
         raise UnsupportedModelError(f"{owner} {problem}. Use patch_model(model, head=False), or compute your loss "

@@ -282,6 +282,29 @@ def test_peft_modules_to_save_lm_head_trains_exactly():
     assert any("modules_to_save" in n and "lm_head" in n for n in g)
 
 
+def test_peft_dora_on_lm_head_is_refused_with_the_fix():
+    # DoRA's weight norm is not a LoRA delta the chunked head can fold into the weight: refused by patch_model where
+    # the adapter exists already, and at the first training forward where PEFT wraps a patched model; DoRA elsewhere,
+    # and patch_model(model, head=False), train as stock
+    from peft import LoraConfig, get_peft_model
+
+    ids, labels = _batch()
+    cfg = LoraConfig(r=4, target_modules=["q_proj", "lm_head"], use_dora=True)
+    with pytest.raises(UnsupportedModelError, match=r"DoraLinearVariant.*head=False"):
+        memgrad_hf.patch_model(get_peft_model(_pair()[0], copy.deepcopy(cfg)))
+    late = get_peft_model(memgrad_hf.patch_model(_pair()[0]), copy.deepcopy(cfg))
+    with pytest.raises(UnsupportedModelError, match=r"DoraLinearVariant.*head=False"):
+        late(input_ids=ids, labels=labels)
+    base, base_ref = _pair()
+    cfg = LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
+    model, ref = get_peft_model(base, cfg), get_peft_model(base_ref, copy.deepcopy(cfg))
+    ref.load_state_dict(model.state_dict())
+    memgrad_hf.patch_model(model)
+    ref_out, ref_g = _loss_and_grads(ref, ids, labels)
+    out, g = _loss_and_grads(model, ids, labels)
+    _assert_same(out, g, ref_out, ref_g)
+
+
 # ----------------------------------------------------------------------------------------------- errors
 
 
