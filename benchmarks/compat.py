@@ -125,11 +125,24 @@ class _Timeout(BaseException):  # not caught by check()'s `except Exception`
     pass
 
 
+def _brief(text: str, n: int = 110) -> str:
+    """``text`` on one line in at most ``n`` characters, cut after a sentence (or clause) where one ends in its
+    second half, else at a word, marked with an ellipsis: a table cell, not a sentence broken off mid-word."""
+    text = " ".join(str(text).split())
+    if len(text) <= n:
+        return text
+    head = text[:n - 1]
+    end = max(head.rfind(". "), head.rfind("; "), head.rfind(": "))
+    if end >= n // 2:
+        return head[:end + 1] + " …"
+    return head[:head.rfind(" ")].rstrip(",;:") + " …" if " " in head else head + "…"
+
+
 def _why(e: Exception, n: int) -> str:
     """One line: the exception (a config validator's cause rather than its wrapper), cut to ``n`` characters."""
     if e.__cause__ is not None and "Validation" in type(e).__name__:
         e = e.__cause__  # type: ignore[assignment]
-    return " ".join(f"{type(e).__name__}: {e}".split())[:n]
+    return _brief(f"{type(e).__name__}: {e}", n)
 
 
 def _is_index_list(name: str, value: object, n_layers: int) -> bool:
@@ -335,9 +348,9 @@ def check(family: str, vision: bool = False, logprobs: bool = False, task: str =
             o = model(**batch)
             o.loss.backward()
     except memgrad_hf.UnsupportedModelError as e:
-        return "unsupported", str(e)[:110]
+        return "unsupported", _brief(str(e))
     except Exception as e:
-        return "ERROR", f"{type(e).__name__}: {str(e)[:100]}"
+        return "ERROR", _brief(f"{type(e).__name__}: {e}")
     pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True) if q.grad is not None]
     if bf16 and not logprobs:
         if any(p is None for p, _ in pairs):

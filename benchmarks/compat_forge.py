@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from benchmarks.compat import _batch, _enable_checkpointing, _tiny, _tiny_vision, _why
+from benchmarks.compat import _batch, _brief, _enable_checkpointing, _tiny, _tiny_vision, _why
 
 
 def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm: float = 0.05,
@@ -125,9 +125,9 @@ def check_forge(family: str, vision: bool = False, steps: int = 2, max_grad_norm
             how, model = "unpatched head", unpatched
             train(model, patch=False)
     except memgrad_hf.UnsupportedModelError as e:
-        return "unsupported", str(e)[:110]
+        return "unsupported", _brief(str(e))
     except Exception as e:
-        return "ERROR", f"{type(e).__name__}: {str(e)[:100]}"
+        return "ERROR", _brief(f"{type(e).__name__}: {e}")
     base = model.get_base_model() if lora else model
     label = f"{type(base).__name__} ({how}{', LoRA' if lora else ''}{', compiled' if compile else ''}"
     if bf16:

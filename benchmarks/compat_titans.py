@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.compat import _enable_checkpointing, _grad_cosine, _tiny, _tiny_vision, _why
+from benchmarks.compat import _brief, _enable_checkpointing, _grad_cosine, _tiny, _tiny_vision, _why
 
 
 def _incremental_logits(model: torch.nn.Module, ids: torch.Tensor, prompt: int) -> torch.Tensor:
@@ -123,11 +123,11 @@ def check_titans(family: str, vision: bool = False, bf16: bool = False) -> tuple
             try:
                 inc = _incremental_logits(model, ids, 6)
             except memgrad_hf.UnsupportedModelError as e:
-                return "exact, uncached", str(e)[:110]
+                return "exact, uncached", _brief(str(e))
     except memgrad_hf.UnsupportedModelError as e:
-        return "unsupported", str(e)[:110]
+        return "unsupported", _brief(str(e))
     except Exception as e:
-        return "ERROR", f"{type(e).__name__}: {str(e)[:100]}"
+        return "ERROR", _brief(f"{type(e).__name__}: {e}")
     if not torch.allclose(inc, full, rtol=cache_tol, atol=cache_tol * full.abs().max().item()):
         return "MISMATCH", f"cached forward differs: {(inc - full).abs().max().item():.2e}"
     return "exact", type(model).__name__

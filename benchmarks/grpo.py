@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p = bench_parser("grpo", __doc__, hidden=896, vocab=151936)
     p.add_argument("--completions", type=int, default=8)
     p.add_argument("--length", type=int, default=1024)
-    p.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    p.add_argument("--peers", nargs="+", default=None, choices=PEERS,
+                   help="default: all (memgrad_torch, the torch path forced on a GPU, on a GPU only)")
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# GRPO scoring + loss backward: {a.completions} x {a.length} tokens, hidden {a.hidden}, vocab {a.vocab}, "
           f"{dtype}, {a.device}, outputs {a.outputs}\n# {machine(a.device)}; {versions()}\n")
     kw = dict(n=n, d=a.hidden, v=a.vocab, dtype=dtype, outputs=a.outputs)
-    cases = [Case(peer, setup, run, dict(impl=peer, **kw)) for peer in a.peers]
+    peers = a.peers or [p for p in PEERS if p != "memgrad_torch" or a.device.startswith("cuda")]
+    cases = [Case(peer, setup, run, dict(impl=peer, **kw)) for peer in peers]
     mem = {c.name: peak_added_mib(c, a.device, a.threads, in_process=a.device.startswith("cuda") and not a.fresh)
            for c in cases}
     times = time_interleaved(cases, a.device, repeats=a.repeats, warmup=1)

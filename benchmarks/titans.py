@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import sys
 
 import torch
@@ -229,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
                 _rows(cases, f"{shape}/{mode}/autograd", f"{shape} / {mode}", a.device, a.threads,
                       a.repeats, here)
         print()
-    if a.layers:
+    layers = list(a.layers)
+    if "titans_pytorch" in layers and importlib.util.find_spec("titans_pytorch") is None:
+        layers.remove("titans_pytorch")  # the peer is optional: its rows, and the ratios to it, left out (said so)
+        print("(titans_pytorch is not installed, so its rows and the ratios to it are left out: pip install "
+              "titans-pytorch)\n")
+    if layers:
         print(f"## Layer: batch {a.batch}, seq {a.seq}, dim {a.dim}, {a.heads} heads x {a.dim_head}, chunk {a.chunk}; "
               "train = forward + backward of a random projection of the output\n")
         print("| mode | layer | peak added (MiB) | vs titans-pytorch | time min / median (ms) "
@@ -239,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                   max_lr=a.max_lr)
         for mode in a.modes:
             cases = [Case(f"{mode}/{impl}", layer_setup, layer_run, dict(impl=impl, mode=mode, **kw))
-                     for impl in a.layers]
+                     for impl in layers]
             _rows(cases, f"{mode}/titans_pytorch", mode, a.device, a.threads, a.repeats, here)
     return 0
 
