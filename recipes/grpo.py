@@ -60,20 +60,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="hub name or path; default: tiny offline model")
     p.add_argument("--dataset", default=None, help="hub dataset (gsm8k format); default: synthetic arithmetic")
-    p.add_argument("--max_steps", type=int, default=6)
-    p.add_argument("--batch", type=int, default=4, help="completions per device step")
-    p.add_argument("--num_generations", type=int, default=4)
-    p.add_argument("--max_completion_length", type=int, default=8)
-    p.add_argument("--learning_rate", type=float, default=5e-3)
-    p.add_argument("--optim", default="forge_adamw", help="any Trainer optimizer name (forge_adamw, adamw_torch, ...)")
+    p.add_argument("--max_steps", type=int, default=6, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=4, help="completions per device step (default: %(default)s)")
+    p.add_argument("--num_generations", type=int, default=4,
+                   help="completions per prompt (GRPO's group) (default: %(default)s)")
+    p.add_argument("--max_completion_length", type=int, default=8, help="tokens per completion (default: %(default)s)")
+    p.add_argument("--learning_rate", type=float, default=5e-3, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--optim", default="forge_adamw",
+                   help="any Trainer optimizer name (forge_adamw, adamw_torch, ...) (default: %(default)s)")
     p.add_argument("--optim_args", default="",
                    help="FORGE options, e.g. 'clip=previous' (clip with the previous step's exact norm) or "
                         "'state_dtype=bf16'; the default clips exactly (optim_args clip_pass in the README)")
     p.add_argument("--no_patch", action="store_true", help="do not apply memgrad_hf.patch_model")
     p.add_argument("--bf16", action="store_true",
                    help="a hub model loads in bf16, and the Trainer runs bf16 (default: fp32)")
-    p.add_argument("--output_dir", default="/tmp/memgrad_grpo", help="the trained model is saved here at the end")
-    p.add_argument("--save_steps", type=int, default=0, help="also save a resumable checkpoint every N steps (0: none)")
+    p.add_argument("--output_dir", default="/tmp/memgrad_grpo",
+                   help="the trained model is saved here at the end (default: %(default)s)")
+    p.add_argument("--save_steps", type=int, default=0,
+                   help="also save a resumable checkpoint every N steps (0: none) (default: %(default)s)")
     p.add_argument("--resume_from_checkpoint", default=None, help="a checkpoint dir written with --save_steps")
     a = p.parse_args(argv)
 
@@ -122,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     for h in logs:
         print(f"step {h['step']:>3}  loss {h['loss']:+.4f}  reward {h.get('reward', float('nan')):+.3f}  "
               f"grad_norm {h.get('grad_norm', float('nan')):.3f}")
-    print(f"\nGRPO done: {len(logs)} steps in {time.perf_counter() - t0:.1f} s; optimizer {a.optim}; "
+    ran = cb.summary.get("steps", len(logs))  # (after a resume, the steps this run took)
+    print(f"\nGRPO done: {ran} steps in {time.perf_counter() - t0:.1f} s"
+          + (f" (resumed at step {trainer.state.global_step - ran})" if a.resume_from_checkpoint else "")
+          + f"; optimizer {a.optim}; "
           f"head {'memgrad' if not a.no_patch else 'TRL'}; peak memory added {cb.summary.get('peak_added_mem_mb')} MB; "
           f"{cb.summary.get('tokens_per_s')} tokens/s; saved to {a.output_dir}")
     return 0

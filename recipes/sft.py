@@ -22,19 +22,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="hub name or path; default: small offline model")
     p.add_argument("--dataset", default=None, help="hub dataset with a text column; default: built-in text")
-    p.add_argument("--text_field", default="text")
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--max_steps", type=int, default=10)
-    p.add_argument("--learning_rate", type=float, default=1e-3)
-    p.add_argument("--optim", default="forge_adamw", help="any Trainer optimizer name (forge_adamw, adamw_torch, ...)")
+    p.add_argument("--text_field", default="text", help="the dataset column with the text (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=256, help="tokens per example (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=4, help="examples per device step (default: %(default)s)")
+    p.add_argument("--max_steps", type=int, default=10, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--learning_rate", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--optim", default="forge_adamw",
+                   help="any Trainer optimizer name (forge_adamw, adamw_torch, ...) (default: %(default)s)")
     p.add_argument("--optim_args", default=None, help="e.g. state_dtype=bf16 or clip=previous (FORGE)")
-    p.add_argument("--max_grad_norm", type=float, default=1.0, help="FORGE clips exactly")
+    p.add_argument("--max_grad_norm", type=float, default=1.0, help="FORGE clips exactly (default: %(default)s)")
     p.add_argument("--no_patch", action="store_true", help="do not apply memgrad_hf.patch_model")
     p.add_argument("--bf16", action="store_true",
                    help="a hub model loads in bf16, and the Trainer runs bf16 (default: fp32)")
-    p.add_argument("--output_dir", default="/tmp/memgrad_sft", help="the trained model is saved here at the end")
-    p.add_argument("--save_steps", type=int, default=0, help="also save a resumable checkpoint every N steps (0: none)")
+    p.add_argument("--output_dir", default="/tmp/memgrad_sft",
+                   help="the trained model is saved here at the end (default: %(default)s)")
+    p.add_argument("--save_steps", type=int, default=0,
+                   help="also save a resumable checkpoint every N steps (0: none) (default: %(default)s)")
     p.add_argument("--resume_from_checkpoint", default=None, help="a checkpoint dir written with --save_steps")
     a = p.parse_args(argv)
 
@@ -86,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     for h in logs:
         print(f"step {h['step']:>4}  loss {h['loss']:.4f}  grad_norm {h.get('grad_norm', float('nan')):.3f}")
-    print(f"\nSFT done: {len(logs)} steps in {time.perf_counter() - t0:.1f} s; optimizer {a.optim}; "
+    ran = cb.summary.get("steps", len(logs))  # (after a resume, the steps this run took)
+    print(f"\nSFT done: {ran} steps in {time.perf_counter() - t0:.1f} s"
+          + (f" (resumed at step {trainer.state.global_step - ran})" if a.resume_from_checkpoint else "")
+          + f"; optimizer {a.optim}; "
           f"head {'memgrad' if not a.no_patch else 'stock'}; peak memory added {cb.summary.get('peak_added_mem_mb')} "
           f"MB; {cb.summary.get('tokens_per_s')} tokens/s; saved to {a.output_dir}")
     return 0

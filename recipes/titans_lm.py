@@ -118,14 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--enwik8_bytes", type=int, default=None, help="read only the first N bytes of enwik8")
     model_g = p.add_argument_group("model")
     model_g.add_argument("--model", default=None, help="hub name or path to add memory to; default: a new tiny Llama")
-    model_g.add_argument("--model_dim", type=int, default=64, help="hidden size of the new model")
-    model_g.add_argument("--layers", type=int, default=2, help="decoder layers of the new model")
-    model_g.add_argument("--attn_heads", type=int, default=4)
-    model_g.add_argument("--memory_layers", type=int, nargs="+", default=[-1], help="decoder layers given memory")
-    model_g.add_argument("--memory_heads", type=int, default=2)
-    model_g.add_argument("--memory_depth", type=int, default=2, help="layers of the memory MLP (1-4)")
-    model_g.add_argument("--chunk_size", type=int, default=16, help="tokens per memory update")
-    model_g.add_argument("--max_lr", type=float, default=0.1, help="memory's inner learning rate ceiling")
+    model_g.add_argument("--model_dim", type=int, default=64,
+                         help="hidden size of the new model (default: %(default)s)")
+    model_g.add_argument("--layers", type=int, default=2, help="decoder layers of the new model (default: %(default)s)")
+    model_g.add_argument("--attn_heads", type=int, default=4,
+                         help="attention heads of the new model (default: %(default)s)")
+    model_g.add_argument("--memory_layers", type=int, nargs="+", default=[-1],
+                         help="decoder layers given memory (default: %(default)s)")
+    model_g.add_argument("--memory_heads", type=int, default=2, help="heads of each memory (default: %(default)s)")
+    model_g.add_argument("--memory_depth", type=int, default=2,
+                         help="layers of the memory MLP (1-4) (default: %(default)s)")
+    model_g.add_argument("--chunk_size", type=int, default=16, help="tokens per memory update (default: %(default)s)")
+    model_g.add_argument("--max_lr", type=float, default=0.1,
+                         help="memory's inner learning rate ceiling (default: %(default)s)")
     model_g.add_argument("--grad_impl", default="manual", choices=["manual", "autograd"],
                          help="exact inner gradient: manual kernel or the torch.func reference")
     fan_g = p.add_argument_group("FAN")
@@ -133,21 +138,25 @@ def main(argv: list[str] | None = None) -> int:
                        help="distil a FAN for N steps, then use it instead of the exact gradient; 0: no FAN "
                             "(default: half of --max_steps, at least 1)")
     fan_g.add_argument("--fan_distill_epochs", type=float, default=None, help="or switch after this many epochs")
-    fan_g.add_argument("--fan_norm_weight", type=float, default=0.1, help="weight of the FAN's log-norm loss term")
+    fan_g.add_argument("--fan_norm_weight", type=float, default=0.1,
+                       help="weight of the FAN's log-norm loss term (default: %(default)s)")
     train = p.add_argument_group("training")
-    train.add_argument("--seq", type=int, default=192)
-    train.add_argument("--batch", type=int, default=8)
-    train.add_argument("--max_steps", type=int, default=200)
-    train.add_argument("--learning_rate", type=float, default=2e-3)
-    train.add_argument("--optim", default="adamw_torch", help="any Trainer optimizer name (adamw_torch, forge_adamw)")
+    train.add_argument("--seq", type=int, default=192, help="tokens per example (default: %(default)s)")
+    train.add_argument("--batch", type=int, default=8, help="examples per step (default: %(default)s)")
+    train.add_argument("--max_steps", type=int, default=200, help="optimizer steps (default: %(default)s)")
+    train.add_argument("--learning_rate", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
+    train.add_argument("--optim", default="adamw_torch",
+                       help="any Trainer optimizer name (adamw_torch, forge_adamw) (default: %(default)s)")
     train.add_argument("--logging_steps", type=int, default=None, help="default: max_steps / 10")
-    train.add_argument("--eval_tokens", type=int, default=4096, help="held-out tokens evaluated at the end")
+    train.add_argument("--eval_tokens", type=int, default=4096,
+                       help="held-out tokens evaluated at the end (default: %(default)s)")
     train.add_argument("--bf16", action="store_true",
                        help="a hub model loads in bf16, and the Trainer runs bf16 (default: fp32)")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=int, default=0, help="model, data and Trainer seed (default: %(default)s)")
     train.add_argument("--threads", type=int, default=None,
                        help="torch CPU threads (default: 1 for a new model on CPU, else torch's default)")
-    train.add_argument("--output_dir", default="/tmp/memgrad_titans_lm")
+    train.add_argument("--output_dir", default="/tmp/memgrad_titans_lm",
+                       help="the trained model is saved here (default: %(default)s)")
     a = p.parse_args(argv)
 
     import torch

@@ -63,18 +63,20 @@ def _train(a, impl: str, tok, data, nudge: bool = False) -> tuple[list[float], f
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seq", type=int, default=128, help="tokens per example")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--n_layers", type=int, default=2, help="decoder layers of the small model")
-    p.add_argument("--layers", type=int, nargs="+", default=[1], help="decoder layers that get a memory")
-    p.add_argument("--mem_heads", type=int, default=2)
-    p.add_argument("--depth", type=int, default=2, help="memory MLP depth (1-4)")
-    p.add_argument("--activation", default="gelu", choices=["gelu", "silu"])
-    p.add_argument("--chunk_size", type=int, default=16)
-    p.add_argument("--learning_rate", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps of each run (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=128, help="tokens per example (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=4, help="examples per step (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size of the small model (default: %(default)s)")
+    p.add_argument("--n_layers", type=int, default=2, help="decoder layers of the small model (default: %(default)s)")
+    p.add_argument("--layers", type=int, nargs="+", default=[1],
+                   help="decoder layers that get a memory (default: %(default)s)")
+    p.add_argument("--mem_heads", type=int, default=2, help="heads of each memory (default: %(default)s)")
+    p.add_argument("--depth", type=int, default=2, help="memory MLP depth (1-4) (default: %(default)s)")
+    p.add_argument("--activation", default="gelu", choices=["gelu", "silu"],
+                   help="memory MLP activation (default: %(default)s)")
+    p.add_argument("--chunk_size", type=int, default=16, help="tokens per memory update (default: %(default)s)")
+    p.add_argument("--learning_rate", type=float, default=1e-3, help="outer learning rate (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="the seed both runs share (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                    help="float64: the two runs differ only where HF rounds to float32 (it computes the loss in "
                         "float32); float32: rounding differences of the two gradients grow with the steps")

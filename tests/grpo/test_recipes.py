@@ -34,12 +34,14 @@ def test_sft_recipe_offline_demo(tmp_path):
     res = _run("sft.py", "--max_steps", "3", "--seq", "64", "--batch", "2", "--output_dir", str(tmp_path / "r"),
                "--resume_from_checkpoint", str(tmp_path / "checkpoint-2"))
     assert res.returncode == 0, res.stdout + res.stderr
+    assert "SFT done: 1 steps in" in res.stdout and "(resumed at step 2)" in res.stdout, res.stdout
 
 
 def test_recipes_document_their_options():
     for script in ("grpo.py", "sft.py"):
         res = _run(script, "--help")
         assert res.returncode == 0 and "--model" in res.stdout and "--optim" in res.stdout
+        assert "optimizer steps (default: " in res.stdout  # (each option says what it is, and its default)
 
 
 def test_what_cannot_be_loaded_is_one_line_not_a_traceback():
