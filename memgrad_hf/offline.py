@@ -83,8 +83,17 @@ def run_recipe(main: Callable[[list[str] | None], int], argv: list[str] | None =
         if __name__ == "__main__":
             sys.exit(run_recipe(main))
     """
+    import os
     import sys
 
+    args = sys.argv[1:] if argv is None else argv
+    # a path that is not there: said at once, not as a bad hub repo id
+    for flag, value in zip(args, args[1:], strict=False):
+        if flag in ("--model", "--dataset", "--text", "--enwik8") and value.startswith(("/", "./", "../", "~")) \
+                and not os.path.exists(os.path.expanduser(value)):
+            print(f"error: {flag} {value}: no such file or directory. Check the path (a hub name has the form "
+                  "owner/name).", file=sys.stderr)
+            return 2
     try:
         return main(argv)
     except (OSError, ConnectionError) as e:  # (FileNotFoundError and transformers' hub errors are OSErrors)

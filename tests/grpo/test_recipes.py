@@ -54,3 +54,5 @@ def test_what_cannot_be_loaded_is_one_line_not_a_traceback():
         # a missing text file is not a hub problem: the hint says which it is
         hub = "Without --model the recipe runs its offline demo" in res.stderr
         assert hub == (script == "sft.py"), (script, res.stderr)
+    res = _run("sft.py", "--model", "/nonexistent/model")  # (was: "Repo id must be in the form ..." first)
+    assert res.returncode == 2 and res.stderr.startswith("error: --model /nonexistent/model: no such file"), res.stderr
