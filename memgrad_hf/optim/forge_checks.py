@@ -14,7 +14,7 @@ from memgrad_hf.kernels import forge as K
 log = logging.getLogger("memgrad_hf.forge")
 
 OPTION_CHOICES = {"clip": ("exact", "previous"), "clip_pass": ("auto", "replay", "backward"),
-            "head_grad": ("auto", "recompute", "hold"), "kernel": ("auto", "fused", "split")}
+                  "head_grad": ("auto", "recompute", "hold"), "kernel": ("auto", "fused", "split")}
 
 
 def check_options(*, tile_bytes: int | None, max_grad_norm: float | None, **choices: str) -> None:
