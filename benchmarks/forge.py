@@ -86,7 +86,15 @@ CONFIGS = {
     "forge_lion+8bit_state+compile": dict(optim="forge_lion", optim_args="state_dtype=8bit", torch_compile=True),
     "forge_lion+8bit_state+split+compile": dict(optim="forge_lion", optim_args="state_dtype=8bit,kernel=split",
                                                 torch_compile=True),
+    # the same with the Trainer's default clipping (exact, by replay), and with the replay's updates launched grouped
+    # (MEMGRAD_FORGE_GROUPED=1 for that run only: it changes nothing without clipping)
+    "forge_lion+8bit_state+split+compile+clip": dict(optim="forge_lion", optim_args="state_dtype=8bit,kernel=split",
+                                                     torch_compile=True, max_grad_norm=1.0),
+    "forge_lion+8bit_state+split+compile+clip+grouped": dict(
+        optim="forge_lion", optim_args="state_dtype=8bit,kernel=split", torch_compile=True, max_grad_norm=1.0,
+        grouped=True),
 }
+_NOT_TRAINING_ARGS = ("patch", "grouped")  # configuration keys that are not TrainingArguments
 
 
 def llama_config(vocab: int, hidden: int, layers: int, max_positions: int):
@@ -200,7 +208,7 @@ def run(s: dict) -> None:
               learning_rate=1e-4, logging_steps=10_000, save_strategy="no", report_to="none",
               use_cpu=not s["device"].startswith("cuda"), dataloader_num_workers=0, disable_tqdm=True,
               max_grad_norm=0.0, seed=0)
-    kw.update({k: v for k, v in CONFIGS[s["config"]].items() if k != "patch"})
+    kw.update({k: v for k, v in CONFIGS[s["config"]].items() if k not in _NOT_TRAINING_ARGS})
     t = Trainer(model=s["model"], args=TrainingArguments(**kw), train_dataset=s["data"])
     t.remove_callback(PrinterCallback)
     t.add_callback(_step_timer(s["config"], s["device"].startswith("cuda")))
@@ -215,7 +223,16 @@ def run(s: dict) -> None:
             torch.cuda.synchronize()
         base = memory.current_bytes(s["device"])
         memory.reset_peak(s["device"])
-    t.train()
+    grouped = os.environ.get("MEMGRAD_FORGE_GROUPED")
+    if CONFIGS[s["config"]].get("grouped"):
+        os.environ["MEMGRAD_FORGE_GROUPED"] = "1"
+    try:
+        t.train()
+    finally:
+        if grouped is None:
+            os.environ.pop("MEMGRAD_FORGE_GROUPED", None)
+        else:
+            os.environ["MEMGRAD_FORGE_GROUPED"] = grouped
     if measure:
         PEAK_IN_RUN[s["config"]] = mib = (memory.peak_bytes(s["device"]) - base) / memory.MiB
         print(f"# peak added, {s['config']}: {mib:.0f} MiB", flush=True)  # (a run stopped by its limit keeps it)

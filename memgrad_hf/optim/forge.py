@@ -861,6 +861,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         """The updates already happened in backward; this closes the step (bookkeeping, logging)."""
+        self._note_grouping_scope()
         if self._applied and self._hp_used is not None:
             self._warn_late_hyperparameters()
         self._hp_used = None

@@ -222,14 +222,25 @@ class ExactClipping:
         # of tensor instead of one per tensor. Off by default: its one GPU timing so far (run I, H200, ~1B compiled
         # forge_lion) was 1.40x adamw_torch_fused's step against 1.13x one launch per tensor, before the kernel's
         # alignment hints (benchmarks/RESULTS.md, run I)
-        grouped = os.environ.get("MEMGRAD_FORGE_GROUPED", "0").strip() == "1"
-        self._grouped = [] if self._mode == "apply" and grouped else None
+        self._grouped = [] if self._mode == "apply" and grouped_replay() else None
         try:
             for fn in replays:
                 fn()
             self._launch_grouped()
         finally:
             self._grouped = None
+
+    def _note_grouping_scope(self) -> None:
+        """``MEMGRAD_FORGE_GROUPED=1`` groups the launches of exact clipping's replay only: said once per optimizer
+        where this one never replays, rather than letting a timing with and without it compare the same code."""
+        if not grouped_replay() or getattr(self, "_grouping_noted", False):
+            return
+        if not (self.needs_norm_pass and self.clip_pass != "backward"):
+            self._grouping_noted = True
+            log.warning("forge: MEMGRAD_FORGE_GROUPED=1 groups the updates of exact clipping's replay (max_grad_norm "
+                        "> 0, clip=exact, clip_pass=auto|replay); with max_grad_norm=%s, clip=%s, clip_pass=%s this "
+                        "optimizer updates inside each layer's backward, and the variable has no effect.",
+                        self.max_grad_norm, self.clip, self.clip_pass)
 
     def _may_keep(self, weight: Tensor) -> bool:
         """Whether a recording norm pass may keep this weight's gradient tiles until the replay: when they fit in
@@ -288,6 +299,11 @@ class ExactClipping:
             return self._coef
         prev = self._prev_norm
         return 1.0 if prev is None else min(1.0, self.max_grad_norm / (prev + 1e-6))
+
+
+def grouped_replay() -> bool:
+    """Whether ``MEMGRAD_FORGE_GROUPED=1`` (experimental, off by default) asks for grouped replay launches."""
+    return os.environ.get("MEMGRAD_FORGE_GROUPED", "0").strip() == "1"
 
 
 def allow_retained_compiled_backward() -> None:
