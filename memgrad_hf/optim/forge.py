@@ -811,8 +811,10 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             # a gradient from a use outside the layer, which arrives after the layer's own fused update: this step
             # applies the two separately; from the next step on the parts are summed first (exact). (Without the
             # layer's own backward this step, the hook's gradient is the whole gradient: one update, exact.)
-            self._mark_shared(p, "is also used outside its layer (e.g. a penalty on the weight in the loss); this "
-                                 "step applied that part of its gradient as a separate update")
+            self._mark_shared(p, "is also used outside its layer (e.g. a penalty on the weight in the loss), found "
+                                 "only as this step applied that part of its gradient as a second update (loss "
+                                 "backward through optimizer.backward(loss) finds such uses before the first step)")
+            self._applied.discard(p)  # (the same backward's second part: not "a second backward" to warn about)
         if p.grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients: use "
                                "nn.Embedding(sparse=False), or torch.optim.SparseAdam for that embedding.")
@@ -869,6 +871,12 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.sync is False and not self._warned_nosync:
+            self._warned_nosync = True
+            log.warning(
+                "%s.step() with optimizer.sync = False: the gradients went into .grad and no update was applied. Set "
+                "optimizer.sync = True (or None) before the backward of the micro-batch that should update.",
+                type(self).__name__)
         if self.sync is None and not self._is_sync() and not self._warned_nosync:
             self._warned_nosync = True  # (accelerate's wrapper skips step() there: this is a direct call)
             log.warning(

@@ -165,8 +165,8 @@ class UseTracking:
             self._shared_unreported[why].append(name)
             return
         self._shared_unreported[why] = []
-        log.warning("forge: %s %s: its gradient within a backward is summed by autograd and then applied once, as "
-                    "torch.optim does (its weight gradient exists in full for that moment).", name, why)
+        log.warning("forge: %s %s: from now on its gradient within a backward is summed by autograd and then applied "
+                    "once, as torch.optim does (its weight gradient exists in full for that moment).", name, why)
 
     def _report_shared(self) -> None:
         """The weights :meth:`_mark_shared` found this step after the first of each reason, in one line per reason."""
@@ -189,7 +189,9 @@ class UseTracking:
             log.warning(
                 "forge: a second backward before optimizer.step() updated the weights again: with FORGE every "
                 "backward applies the update. For gradient accumulation in your own loop set optimizer.sync = False "
-                "before the backward of every micro-batch but the last (the Trainer does this itself).")
+                "before the backward of every micro-batch but the last (the Trainer does this itself). If this "
+                "optimizer was replaced by another, call its detach() first: until then it keeps updating the "
+                "weights inside backward, and the new optimizer sees no .grad.")
 
 
 def checkpoints_reentrantly(layer: nn.Module) -> bool:

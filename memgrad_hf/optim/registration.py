@@ -370,16 +370,12 @@ def _hook_torch_clip() -> None:
 
     @functools.wraps(original)
     def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
-        from memgrad_hf.optim.forge import ForgeOptimizer
-
         measured = None
-        if ForgeOptimizer._attached_now:  # (a WeakSet: empty unless some FORGE optimizer is attached)
-            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            for opt in list(ForgeOptimizer._attached_now):
-                if any(p in opt._group_index for p in parameters):
-                    _warn_clip_does_nothing(opt, max_norm, "torch.nn.utils.clip_grad_norm_")
-                    if measured is None:
-                        measured = _measured_norm(opt, parameters, max_norm, args, kwargs)
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for opt in _forge_owners(parameters):
+            _warn_clip_does_nothing(opt, max_norm, "torch.nn.utils.clip_grad_norm_")
+            if measured is None:
+                measured = _measured_norm(opt, parameters, max_norm, args, kwargs)
         total = original(parameters, max_norm, *args, **kwargs)
         # the optimizer clipped exactly at this norm in backward: the call's usual result is the norm it measured
         # (the loop that logs it would log 0: no .grad is left)
@@ -387,6 +383,48 @@ def _hook_torch_clip() -> None:
 
     clip_grad_norm_._memgrad_forge = True  # type: ignore[attr-defined]
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+
+    # torch's clip_grad_norm_ under any other name (imported before memgrad_hf, or from torch.nn.utils.clip_grad)
+    # reaches the module's _clip_grads_with_norm_ by its global name: the warning is said there too
+    from torch.nn.utils import clip_grad as module
+
+    clip_with_norm = module._clip_grads_with_norm_
+
+    @functools.wraps(clip_with_norm)
+    def _clip_grads_with_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)  # (a generator once)
+        for opt in _forge_owners(parameters):
+            _warn_clip_does_nothing(opt, max_norm, "torch.nn.utils.clip_grad_norm_")
+        return clip_with_norm(parameters, max_norm, *args, **kwargs)
+
+    module._clip_grads_with_norm_ = _clip_grads_with_norm_
+
+    clip_value = torch.nn.utils.clip_grad_value_
+
+    @functools.wraps(clip_value)
+    def clip_grad_value_(parameters: Any, clip_value_: float, *args: Any, **kwargs: Any) -> Any:
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for opt in _forge_owners(parameters):
+            raise ValueError(
+                f"torch.nn.utils.clip_grad_value_ cannot clip the gradients of {type(opt).__name__}'s parameters: "
+                "the update is applied inside backward, and no .grad is left to clip. FORGE clips by the global "
+                "norm only: remove the call, or construct the optimizer with max_grad_norm=... (exact clipping).")
+        return clip_value(parameters, clip_value_, *args, **kwargs)
+
+    torch.nn.utils.clip_grad_value_ = module.clip_grad_value_ = clip_grad_value_
+
+
+def _forge_owners(parameters: Any) -> list:
+    """The attached FORGE optimizers that update any of ``parameters`` (a list or tensor; none if none attached)."""
+    import torch
+
+    from memgrad_hf.optim.forge import ForgeOptimizer
+
+    if not ForgeOptimizer._attached_now:  # (a WeakSet: empty unless some FORGE optimizer is attached)
+        return []
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    return [opt for opt in list(ForgeOptimizer._attached_now) if any(p in opt._group_index for p in parameters)]
 
 
 def _register_callback() -> None:

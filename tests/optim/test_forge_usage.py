@@ -132,6 +132,8 @@ def test_a_use_outside_its_layer_seen_only_at_the_hook_is_warned_about_and_exact
             _step_both(model, opt, ref, ref_opt, lambda m, s=step: loss_of(m, s))
     _assert_weights_close(model, ref)
     assert "out.weight is also used outside its layer" in caplog.text
+    # one backward per step: nothing says "a second backward", nor that this step's two updates were one
+    assert "second backward" not in caplog.text and "then applied once" not in caplog.text.split("from now on")[0]
     # AdamW: from the step after the warning on, equal to torch from the same weights and state
     model = _SharedNet()
     opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
@@ -685,6 +687,20 @@ def test_step_while_accelerate_says_no_sync_warns(caplog):
         opt.detach()
 
 
+def test_step_while_sync_is_left_false_warns_once(caplog):
+    # optimizer.sync = False (own-loop accumulation) never set back: every backward went into .grad, no weight moved
+    model = tiny_model("llama")
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    opt.sync = False
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        for _ in range(3):
+            ids = torch.randint(1, 101, (2, 10))
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+    assert caplog.text.count("optimizer.sync = False") == 1 and not opt.state
+    opt.detach()
+
+
 def test_a_grad_scaler_with_forge_is_refused_before_any_update():
     # scaler.scale(loss).backward() applied the 65536x-scaled gradient inside backward (lm_head moved by 7.4)
     model = tiny_model("llama")
@@ -799,6 +815,31 @@ def test_torch_clip_grad_norm_in_a_hand_written_loop_is_warned_about_once(caplog
                 opt.zero_grad()
         opt.detach()
         assert caplog.text.count("torch.nn.utils.clip_grad_norm_(max_norm=1.0) does nothing with ForgeAdamW") == said
+
+
+def test_torch_clipping_imported_by_another_name_is_warned_about_or_refused(caplog):
+    # `from torch.nn.utils import clip_grad_norm_` before `import memgrad_hf` holds torch's own function (as does
+    # torch.nn.utils.clip_grad.clip_grad_norm_): it clipped nothing without a word; clip_grad_value_ raised torch's
+    # internal "Expected !nested_tensorlist[0].empty()"
+    import torch.nn.utils.clip_grad as torch_clip
+
+    model = tiny_model("llama")
+    ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(0))
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-3)
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            torch_clip.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    assert caplog.text.count("clip_grad_norm_(max_norm=1.0) does nothing with ForgeAdamW") == 1
+    model(input_ids=ids, labels=ids).loss.backward()
+    for clip_value in (torch.nn.utils.clip_grad_value_, torch_clip.clip_grad_value_):
+        with pytest.raises(ValueError, match="clip_grad_value_ .* ForgeAdamW.*max_grad_norm"):
+            clip_value(model.parameters(), 0.5)
+    opt.detach()
+    model(input_ids=ids, labels=ids).loss.backward()  # detached: torch's functions as they are
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.5)
+    assert max(p.grad.abs().max().item() for p in model.parameters()) <= 0.5
 
 
 def test_a_training_step_override_calling_loss_backward_is_told_to_use_accelerator_backward(tmp_path):
