@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from memgrad_hf.kernels.forge import gram_pays, linear_grad_norm_sq, norm_sq, round_to_bf16_stochastic
-from memgrad_hf.optim import ForgeAdamW
+from memgrad_hf.optim import ForgeAdamW, ForgeLion
 from tests.tiny_models import tiny_model
 
 
@@ -112,7 +112,7 @@ def test_weight_gradient_norm_through_token_grams_equals_fp64():
 def test_fp64_models_are_updated_in_fp64(rule, max_grad_norm):
     # an fp64 model gets torch.optim's fp64 arithmetic (state included), not an fp32 update rounded back
     import memgrad_hf
-    from memgrad_hf.optim import ForgeLion, ForgeSGD
+    from memgrad_hf.optim import ForgeSGD
     from tests.optim.test_forge_trainer import _RefLion
 
     model = memgrad_hf.patch_model(tiny_model("llama").double())
@@ -178,3 +178,37 @@ def test_one_step_from_the_same_weights_and_state_is_within_the_stated_bound(mon
         moved.append(m)
     worst = max((p - q).abs().max().item() for p, q in zip(*(m.parameters() for m in moved), strict=True))
     assert 0 < worst <= lr * bound
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "8bit"])
+def test_lions_one_step_from_low_precision_state_differs_only_by_sign_flips(monkeypatch, state_dtype):
+    """Lion steps by a sign: AdamW's per-step bound has no Lion counterpart (docs). An element of the
+    low-precision-state step either equals the fp32-state step or took the other sign (2·lr away), and only where
+    ``β1·m + (1-β1)·g`` is near 0: a small fraction of the elements."""
+    import memgrad_hf.optim.forge as forge_mod
+
+    monkeypatch.setattr(forge_mod, "_MIN_8BIT_NUMEL", 0)
+    lr = 1e-3
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(0)
+    opt = ForgeLion(model.parameters(), model=model, lr=lr)
+    for _ in range(5):
+        ids = torch.randint(1, 100, (4, 16), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    state = copy.deepcopy(opt.state_dict())
+    opt.detach()
+    ids = torch.randint(1, 100, (4, 16), generator=g)
+    moved = []
+    for dt in (state_dtype, torch.float32):
+        m = copy.deepcopy(model)
+        o = ForgeLion(m.parameters(), model=m, lr=lr, state_dtype=dt)
+        o.load_state_dict(copy.deepcopy(state))
+        m(input_ids=ids, labels=ids).loss.backward()
+        o.step()
+        o.detach()
+        moved.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+    diff = (moved[0] - moved[1]).abs() / lr
+    flipped = diff > 1e-3
+    assert torch.allclose(diff[flipped], torch.full_like(diff[flipped], 2.0), rtol=1e-3)  # a sign, not a size
+    assert flipped.float().mean() < 0.01
