@@ -70,7 +70,9 @@ raise SystemExit(len(g.FAILED))" 2>&1 | tee "$out/checks.md" || status=1 ;;
       # with one launch per tensor and grouped, in one process; then where a step's host time goes (cProfile of one
       # compiled step without clipping, Triton's launcher included). Each step under its own limit (s).
       timeout -k 5 50 python tests/optim/_triton_twin_check.py cuda 2>&1 | tee "$out/checks.md" || status=1
-      timeout -k 5 70 python tests/optim/_triton_group_check.py cuda 2>&1 | tee -a "$out/checks.md" || status=1
+      timeout -k 5 60 python tests/optim/_triton_group_check.py cuda 2>&1 | tee -a "$out/checks.md" || status=1
+      # (the head kernels' -inf-logit fix of 2026-11-28, compiled)
+      timeout -k 5 60 python tests/_head_triton_check.py cuda 2>&1 | tee -a "$out/checks.md" || status=1
       timeout -k 5 120 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 8 --repeats 1 --in-process-memory --configs adamw_torch_fused \
         forge_lion+8bit_state+split+compile 2>&1 | tee "$out/forge-noclip.md" || status=1
@@ -78,7 +80,7 @@ raise SystemExit(len(g.FAILED))" 2>&1 | tee "$out/checks.md" || status=1 ;;
         --batch 1 --seq 1024 --steps 8 --repeats 1 --in-process-memory --configs adamw_torch_fused+clip \
         forge_lion+8bit_state+split+compile+clip forge_lion+8bit_state+split+compile+clip+grouped 2>&1 \
         | tee "$out/forge-clip.md" || status=1
-      timeout -k 5 90 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
+      timeout -k 5 70 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 4 --repeats 1 --host-profile --configs forge_lion+8bit_state+split+compile \
         2>&1 | tee "$out/forge-host-profile.md" || status=1 ;;
     bnb)  # a second call straight after `next` on the warm machine, whose /tmp/site is kept: `next`'s call carries

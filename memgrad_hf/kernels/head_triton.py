@@ -80,11 +80,15 @@ def _online_stats(base, c0, c1, t, inp, out, TANH: tl.constexpr, ENTROPY: tl.con
         z = _epilogue(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), inp, out, TANH)
         zm = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(zm, 0))
-        scale = tl.exp(m - m_new)  # the first block is never all masked (c0 < c1), so m_new is finite
-        e = tl.exp(zm - m_new)
+        # a block of -inf logits so far (a masked vocabulary through the bias) has no finite maximum: rebased on 0
+        # there, its e and Σe are 0 and m stays -inf (the split's partials then weigh nothing)
+        base_m = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale = tl.exp(m - base_m)
+        e = tl.exp(zm - base_m)
         if ENTROPY:  # re-based on the new maximum: Σe·(z - m_new) = scale·(Σe·(z - m) + (m - m_new)·Σe)
             shift = tl.where(s > 0, (m - m_new) * s, 0.0)  # (m = -inf before the first block, where s = 0)
-            sz = (sz + shift) * scale + tl.sum(tl.where(ok, e * (z - m_new), 0.0), 0)
+            # (e = 0 where z = -inf: its term is 0, not 0·(-inf))
+            sz = (sz + shift) * scale + tl.sum(tl.where(e > 0, e * (z - base_m), 0.0), 0)
         s = s * scale + tl.sum(e, 0)
         if ZMEAN:
             zsum += tl.sum(tl.where(ok, z, 0.0), 0)
@@ -118,7 +122,8 @@ def _write_grad(base, ncols, t, lse, alpha, beta, gamma, delta, inp, out,
         z = _epilogue(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), inp, out, TANH)
         logp = z - lse
         p = tl.exp(logp)
-        g = p * (alpha + beta * logp) if HAS_BETA else p * alpha
+        # (p log p is 0 at p = 0, a -inf logit: not 0·(-inf))
+        g = tl.where(p > 0, p * (alpha + beta * logp), 0.0) if HAS_BETA else p * alpha
         if HAS_GAMMA:
             g += tl.where(cols == t, gamma, 0.0)
         if HAS_DELTA:
@@ -297,7 +302,9 @@ def _combine_splits(part: Tensor, vocab: int, zt: Tensor, want: frozenset[str]) 
     s = (part[..., 1] * w).sum(1)
     res = {"lse": top + s.log()}
     if "entropy" in want:  # H = lse - Σ p z = log s - Σ_k w_k (Σe·(z - m_k) + (m_k - top) s_k) / s: no cancellation
-        res["entropy"] = s.log() - ((part[..., 2] + (m - top[:, None]) * part[..., 1]) * w).sum(1) / s
+        # (a split of -inf logits only has s_k = 0 and m_k = -inf: its term is 0)
+        term = torch.where(part[..., 1] > 0, (part[..., 2] + (m - top[:, None]) * part[..., 1]) * w, 0.0)
+        res["entropy"] = s.log() - term.sum(1) / s
     if "zmean" in want:
         res["zmean"] = part[..., 3].sum(1) / vocab
     if "sumsq" in want:
