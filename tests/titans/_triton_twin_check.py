@@ -25,6 +25,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     denom = b.abs().max().item()
     diff = (a - b).abs().max().item()
+    if diff != diff:  # a NaN fails (max(worst, nan) would pass it over)
+        return float("inf")
     return diff if denom == 0 else diff / denom
 
 
