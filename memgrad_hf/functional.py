@@ -44,7 +44,7 @@ def check_chunk_size(chunk_size: int | None) -> None:
 
 
 def _check(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, chunk_size: int | None, name: str,
-           softcap: float | None = None):
+           softcap: float | None = None, logit_scale: float = 1.0, weight_grad_consumer: Any = None):
     refuse_func_transforms(
         "the chunked LM head (memgrad_hf.functional)",
         "Use the transform on full logits (F.cross_entropy / log_softmax of hidden @ weight.T) instead, or compute "
@@ -71,6 +71,8 @@ def _check(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, chu
             f"{name} shape {tuple(ids.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}; "
             "for next-token prediction pair hidden[..., :-1, :] with labels[..., 1:]."
         )
+    if bias is not None and not isinstance(bias, Tensor):
+        raise ValueError(f"bias must be a [vocab] tensor or None; got {_desc(bias)}.")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"bias must be [vocab] = [{weight.shape[0]}]; got {_desc(bias)}.")
     check_chunk_size(chunk_size)
@@ -82,8 +84,14 @@ def _check(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, chu
     if bias is not None and bias.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
         raise ValueError(f"bias ({bias.dtype}) and weight ({weight.dtype}) dtypes differ; cast the bias "
                          "(bias.to(weight.dtype)) or run under torch.autocast as the model does.")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be a positive number (the tanh cap) or None for none; got {softcap!r}.")
+    if softcap is not None and not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a positive finite number (the tanh cap), or None for no cap; got "
+                         f"{softcap!r}.")
+    if not math.isfinite(logit_scale):
+        raise ValueError(f"logit_scale must be a finite number (1.0: none); got {logit_scale!r}.")
+    if weight_grad_consumer is not None and not callable(weight_grad_consumer):
+        raise ValueError(f"weight_grad_consumer must be callable as f(v0, v1, dW_block, db_block) or None; got "
+                         f"{_desc(weight_grad_consumer)}.")
 
 
 def _desc(x: Any) -> str:
@@ -188,7 +196,7 @@ def linear_cross_entropy(
     labels: Tensor,
     *,
     bias: Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int | None = -100,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: float | None = None,
@@ -210,7 +218,8 @@ def linear_cross_entropy(
     Args:
         hidden: ``[..., H]`` hidden states (fp32/bf16/fp16/fp64).
         weight: ``[V, H]`` output-embedding matrix. ``bias``: optional ``[V]``.
-        labels: ``[...]`` target ids, aligned with ``hidden`` (not shifted here); ``ignore_index`` is skipped.
+        labels: ``[...]`` target ids, aligned with ``hidden`` (not shifted here); ``ignore_index`` is skipped
+            (``None``: every position is a target).
         label_smoothing: ε of ``F.cross_entropy``. ``z_loss``: λ of the auxiliary ``λ·lse²`` term.
         softcap, logit_scale: final-logit softcapping and a multiplier on the logits (Gemma-2, Cohere, ...).
         reduction: ``"mean"`` (over non-ignored tokens), ``"sum"`` or ``"none"`` (per token, 0 where ignored).
@@ -250,7 +259,7 @@ def linear_cross_entropy(
         loss = linear_cross_entropy(hidden[:, :-1], weight, labels[:, 1:])   # next-token loss, no [32 x 1000] logits
         loss.backward()
     """
-    _check(hidden, weight, labels, bias, chunk_size, "labels", softcap)
+    _check(hidden, weight, labels, bias, chunk_size, "labels", softcap, logit_scale, weight_grad_consumer)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}; got {reduction!r}.")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -259,6 +268,9 @@ def linear_cross_entropy(
         raise ValueError(f"z_loss must be >= 0; got {z_loss}.")
     if num_items_in_batch is not None and reduction == "none":
         raise ValueError("num_items_in_batch normalizes a summed loss; use reduction='mean' or 'sum' with it.")
+    # (0 divides as torch does: a batch without targets; a tensor is not read: no host sync)
+    if isinstance(num_items_in_batch, (int, float)) and not num_items_in_batch >= 0:
+        raise ValueError(f"num_items_in_batch must be >= 0 (the number of target tokens); got {num_items_in_batch}.")
     hidden, weight, bias = _autocast(hidden, weight, bias)
     acc = _accum_dtype(weight, accum_dtype)
     lead = labels.shape
@@ -363,9 +375,11 @@ def linear_logprobs(
         completion = torch.randint(0, 1000, (4, 32))
         logp, entropy = linear_logprobs(hidden, weight, completion, temperature=0.9, return_entropy=True)  # [4, 32]
     """
-    _check(hidden, weight, token_ids, bias, chunk_size, "token_ids", softcap)
+    _check(hidden, weight, token_ids, bias, chunk_size, "token_ids", softcap, logit_scale, weight_grad_consumer)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0; got {temperature}.")
+    if diagnostics is not None and not isinstance(diagnostics, dict):
+        raise ValueError(f"diagnostics must be a dict to fill (or None); got {_desc(diagnostics)}.")
     hidden, weight, bias = _autocast(hidden, weight, bias)
     acc = _accum_dtype(weight, accum_dtype)
     lead = token_ids.shape

@@ -203,6 +203,13 @@ def test_never_materializes_tokens_by_vocab():
         (lambda h, w, y: linear_cross_entropy(h, w, y, bias=torch.zeros(V, dtype=torch.float64)), "bias"),
         (lambda h, w, y: linear_cross_entropy(h, w, y, softcap=-30.0), "softcap"),
         (lambda h, w, y: linear_logprobs(h, w, y, softcap=0.0), "softcap"),
+        # (each of these gave a NaN or a negative loss without a word, or an AttributeError / TypeError deep inside)
+        (lambda h, w, y: linear_cross_entropy(h, w, y, softcap=float("inf")), "softcap .*None for no cap"),
+        (lambda h, w, y: linear_cross_entropy(h, w, y, logit_scale=float("nan")), "logit_scale"),
+        (lambda h, w, y: linear_cross_entropy(h, w, y, num_items_in_batch=-3), "num_items_in_batch"),
+        (lambda h, w, y: linear_cross_entropy(h, w, y, bias=0.5), "bias must be"),
+        (lambda h, w, y: linear_logprobs(h, w, y, diagnostics=[]), "diagnostics"),
+        (lambda h, w, y: linear_cross_entropy(h, w, y, weight_grad_consumer=3), "weight_grad_consumer"),
     ],
 )
 def test_bad_arguments_raise_value_error_with_fix(call, match):

@@ -73,7 +73,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError(
                 "memgrad_hf: backward through the fused cross-entropy a second time (retain_graph=True, "
                 "torch.autograd.gradcheck): its gradients are computed in forward and handed to the first backward. "
-                "Wrap the earlier backward in memgrad_hf.functional.retain_head_grads() to keep them, or have the "
+                "Wrap the earlier backward in memgrad_hf.functional.retain_head_grads() (and, as for any second "
+                "backward through a graph, pass it retain_graph=True) to keep them, or have the "
                 "logits recomputed in each backward: patch_model(model, grad_in_forward=False) (under a FORGE "
                 "optimizer its own option decides: optim_args head_grad=recompute), or grad_in_forward=False to "
                 "linear_cross_entropy."
