@@ -219,9 +219,8 @@ class ExactClipping:
         self._end_norm()
         # MEMGRAD_FORGE_GROUPED=1: updates from gradients the replay holds anyway (kept linear tiles, hooked
         # parameters' own gradients) are launched together at its end (_update): one grouped Triton launch per kind
-        # of tensor instead of one per tensor. Off by default: its one GPU timing so far (run I, H200, ~1B compiled
-        # forge_lion) was 1.40x adamw_torch_fused's step against 1.13x one launch per tensor, before the kernel's
-        # alignment hints (benchmarks/RESULTS.md, run I)
+        # of tensor instead of one per tensor. Off by default until timed on a GPU with clipping on (run I's
+        # "grouped" timing ran without clipping, where no replay happens: benchmarks/RESULTS.md, run I)
         self._grouped = [] if self._mode == "apply" and grouped_replay() else None
         try:
             for fn in replays:
