@@ -26,12 +26,12 @@ def rel(a, b):
 
 
 def _masked(b, t, v, masked, g):
-    """A bias with ``-inf`` rows (a masked vocabulary): every third row, or a contiguous range that fills whole
-    column blocks and stats splits (``range``); targets redrawn from the rows left."""
+    """A bias with ``-inf`` rows (a masked vocabulary): every third row, or all but the last tenth (``range``: whole
+    column blocks and stats splits of -inf, the first ones included); targets redrawn from the rows left."""
     if masked is None:
         return b, t
     rows = torch.arange(v)
-    off = rows % 3 == 1 if masked == "sparse" else (rows >= v // 3) & (rows < v - v // 10)
+    off = rows % 3 == 1 if masked == "sparse" else rows < v - v // 10  # (range: the first column blocks all -inf)
     b = b.clone()
     b[off.to(b.device)] = float("-inf")
     keep = rows[~off]
