@@ -146,6 +146,23 @@ def test_fp64_models_are_updated_in_fp64(rule, max_grad_norm):
         assert (p - q).abs().max() <= 1e-11 * q.abs().max(), name
 
 
+def _one_step_each(cls, model, opt, ids, lr, state_dtypes):
+    """``opt`` detached; from a copy of ``model`` and ``opt``'s state, one step on ``ids`` per state dtype: the
+    copies after it."""
+    state = copy.deepcopy(opt.state_dict())
+    opt.detach()
+    moved = []
+    for dt in state_dtypes:
+        m = copy.deepcopy(model)
+        o = cls(m.parameters(), model=m, lr=lr, state_dtype=dt)
+        o.load_state_dict(copy.deepcopy(state))  # (as torch.optim, loading may alias the given tensors)
+        m(input_ids=ids, labels=ids).loss.backward()
+        o.step()
+        o.detach()
+        moved.append(m)
+    return moved
+
+
 @pytest.mark.parametrize("state_dtype,bound", [("bf16", 2**-6), ("8bit", 2**-2)])
 def test_one_step_from_the_same_weights_and_state_is_within_the_stated_bound(monkeypatch, state_dtype, bound):
     """The stated bound is per step: from the same weights and (fp32) state, one step with the state kept in
@@ -164,18 +181,8 @@ def test_one_step_from_the_same_weights_and_state_is_within_the_stated_bound(mon
         ids = torch.randint(1, 50, (4, 16), generator=g)
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
-    state = copy.deepcopy(opt.state_dict())
-    opt.detach()
-    ids = torch.randint(1, 100, (4, 16), generator=g)
-    moved = []
-    for dt in (state_dtype, torch.float32):
-        m = copy.deepcopy(model)
-        o = ForgeAdamW(m.parameters(), model=m, lr=lr, state_dtype=dt)
-        o.load_state_dict(copy.deepcopy(state))  # (as torch.optim, loading may alias the given tensors)
-        m(input_ids=ids, labels=ids).loss.backward()
-        o.step()
-        o.detach()
-        moved.append(m)
+    moved = _one_step_each(ForgeAdamW, model, opt, torch.randint(1, 100, (4, 16), generator=g), lr,
+                           (state_dtype, torch.float32))
     worst = max((p - q).abs().max().item() for p, q in zip(*(m.parameters() for m in moved), strict=True))
     assert 0 < worst <= lr * bound
 
@@ -196,18 +203,9 @@ def test_lions_one_step_from_low_precision_state_differs_only_by_sign_flips(monk
         ids = torch.randint(1, 100, (4, 16), generator=g)
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
-    state = copy.deepcopy(opt.state_dict())
-    opt.detach()
-    ids = torch.randint(1, 100, (4, 16), generator=g)
-    moved = []
-    for dt in (state_dtype, torch.float32):
-        m = copy.deepcopy(model)
-        o = ForgeLion(m.parameters(), model=m, lr=lr, state_dtype=dt)
-        o.load_state_dict(copy.deepcopy(state))
-        m(input_ids=ids, labels=ids).loss.backward()
-        o.step()
-        o.detach()
-        moved.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+    moved = [torch.cat([p.detach().flatten() for p in m.parameters()])
+             for m in _one_step_each(ForgeLion, model, opt, torch.randint(1, 100, (4, 16), generator=g), lr,
+                                     (state_dtype, torch.float32))]
     diff = (moved[0] - moved[1]).abs() / lr
     flipped = diff > 1e-3
     assert torch.allclose(diff[flipped], torch.full_like(diff[flipped], 2.0), rtol=1e-3)  # a sign, not a size

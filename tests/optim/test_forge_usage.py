@@ -667,6 +667,14 @@ def test_options_that_change_the_result_are_refused_however_they_arrive():
         ForgeAdamW(emb.parameters(), model=emb)
 
 
+def _backward_and_step(model, opt, steps: int) -> None:
+    """``steps`` plain-loop steps on random ids: backward, then ``opt.step()``."""
+    for _ in range(steps):
+        ids = torch.randint(1, 101, (2, 10))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+
 def test_step_while_accelerate_says_no_sync_warns(caplog):
     # a stale GradientState (an accelerator.accumulate() block interrupted mid-way) left a later hand-written loop
     # accumulating into .grad forever, without a word
@@ -677,10 +685,7 @@ def test_step_while_accelerate_says_no_sync_warns(caplog):
     GradientState()._set_sync_gradients(False)
     try:
         with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
-            for _ in range(2):
-                ids = torch.randint(1, 101, (2, 10))
-                model(input_ids=ids, labels=ids).loss.backward()
-                opt.step()
+            _backward_and_step(model, opt, 2)
         assert caplog.text.count("does not sync") == 1 and not opt.state
     finally:
         GradientState()._set_sync_gradients(True)
@@ -693,10 +698,7 @@ def test_step_while_sync_is_left_false_warns_once(caplog):
     opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
     opt.sync = False
     with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
-        for _ in range(3):
-            ids = torch.randint(1, 101, (2, 10))
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
+        _backward_and_step(model, opt, 3)
     assert caplog.text.count("optimizer.sync = False") == 1 and not opt.state
     opt.detach()
 
