@@ -372,8 +372,7 @@ def _hook_torch_clip() -> None:
     def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
         measured = None
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        for opt in _forge_owners(parameters):
-            _warn_clip_does_nothing(opt, max_norm, "torch.nn.utils.clip_grad_norm_")
+        for opt in _forge_owners(parameters):  # (the warning is said inside, by _clip_grads_with_norm_ below)
             if measured is None:
                 measured = _measured_norm(opt, parameters, max_norm, args, kwargs)
         total = original(parameters, max_norm, *args, **kwargs)
