@@ -75,6 +75,25 @@ def recompute_case(dev, n, h, v, chunk, softcap=None, scale=1.0, bias=False, acc
     return max(errs)
 
 
+def nan_row_case(dev, n=6, h=16, v=700, chunk=4):
+    """A NaN in one token's hidden state: its logits, statistics and every gradient it touches are NaN on both
+    paths (the entropy term's ``p log p`` guard must not turn a NaN ``p`` into 0: finite, wrong gradients that no
+    non-finite check would catch). Returns whether the NaN patterns agree."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, h, generator=g).to(dev)
+    x[2, 3] = float("nan")
+    w = (torch.randn(v, h, generator=g) * 0.3).to(dev)
+    t = torch.randint(0, v, (n,), generator=g).to(dev)
+    ep = K.Epilogue.make()
+    st = K.head_stats(x, w, None, t, ep, chunk_size=chunk, need_entropy=True)
+    coef = [torch.randn(n, generator=g).to(dev) for _ in range(4)]
+    kw = dict(chunk_size=chunk, need_dx=True, need_dw=True, need_db=False)
+    ref = K.head_backward(x, w, None, t, st.lse, ep, *coef, **kw)
+    out = T.head_backward(x, w, None, t, st.lse, ep, *coef, **kw)
+    same = all(torch.equal(o.isnan().cpu(), r.isnan().cpu()) for o, r in zip(out, ref, strict=True) if r is not None)
+    return same and bool(ref[0][2].isnan().all()) and not bool(ref[0][0].isnan().any())
+
+
 def diagnostics_case(dev, n, h, v, chunk, dtype=torch.float32, seed=4, programs=None):
     """head_stats with every output TRL's trainers ask for (SFT: entropy + top-1; KTO: mean logit; Σp²). Integer
     inputs make the logits exact integers in any GEMM order, so ties at the maximum are many and the same for both:
@@ -217,6 +236,9 @@ if __name__ == "__main__":
                   recompute_case(dev, n=19, h=16, v=700, chunk=8, bias=True, accum=torch.float64, masked=masked))
         worst = max(worst, err)
         print(f"fp32 -inf bias rows ({masked}), fused and stats + backward: max rel err {err:.2e}")
+    nan_ok = nan_row_case(dev)
+    print(f"fp32 a NaN hidden row, stats + backward with the entropy term: NaN where the twin's NaN is: {nan_ok}")
+    assert nan_ok, "the Triton head backward hid a NaN row's gradient"
     for name, kw in {"one split per row": dict(n=300, h=16, v=200, chunk=300),
                      "several splits per row": dict(n=23, h=16, v=1000, chunk=8),
                      "several column blocks per program": dict(n=20, h=16, v=9000, chunk=8, programs=16)}.items():

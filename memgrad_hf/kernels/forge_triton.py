@@ -315,6 +315,12 @@ def _kind(t: Tensor) -> int:
     raise ValueError(f"the Triton FORGE kernel takes fp32, bf16 or 8-bit optimizer state; got {t.dtype}")
 
 
+def _state_kinds(names: tuple[str, ...], m: Tensor, v: Tensor) -> tuple[int, int]:
+    """``(M_KIND, V_KIND)``; where the rule keeps no state ``m`` and ``v`` are placeholder pointers the kernel never
+    reads (the weight, which may be fp16: no state kind)."""
+    return (_kind(m), _kind(v)) if names else (F32, F32)
+
+
 def linear_weight_step(
     rule: str,
     dy: Tensor,
@@ -344,7 +350,7 @@ def linear_weight_step(
     v = st.get("exp_avg_sq", m)
     if not (w.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
         raise ValueError("the Triton FORGE kernel takes contiguous weights and optimizer state")
-    m_kind, v_kind = _kind(m), _kind(v)
+    m_kind, v_kind = _state_kinds(names, m, v)
     norm, bad = _sums(sums, w.device)
     lowp = dy.dtype in (torch.bfloat16, torch.float16) and x.dtype == dy.dtype
     # the epilogue's weight and state tiles stay in registers; a tile row spans whole 8-bit scale blocks
@@ -417,6 +423,7 @@ class _UpdateOperands(NamedTuple):
     v: Tensor
     m_scale: Tensor  # 8-bit scales, or p2 as a placeholder
     v_scale: Tensor
+    kinds: tuple[int, int]  # M_KIND, V_KIND
     bm: int
     bn: int
     consts: dict[str, Any]  # the rule's compile-time constants
@@ -444,7 +451,7 @@ def _update_operands(rule: str, p: Tensor, g: Tensor, st: dict[str, Tensor], hp:
     b1, b2, omb1, omb2, eps, bc1, bc2_sqrt = ra["scalars"]
     seeds = K.rounding_seeds(seed, names)
     return _UpdateOperands(
-        p2, g2, m, v, m_scale, scale.get("exp_avg_sq", m_scale), bm, bn, ra["consts"],
+        p2, g2, m, v, m_scale, scale.get("exp_avg_sq", m_scale), _state_kinds(names, m, v), bm, bn, ra["consts"],
         [float(hp["lr"]), b1, b2, omb1, omb2, eps, float(hp["weight_decay"]), bc1, bc2_sqrt],
         [K.as_int32(K.noise_key(seeds["p"])), K.as_int32(K.noise_key(seeds[(names or ("p",))[-1]])),
          K.as_int32(offset)])
@@ -478,7 +485,7 @@ def update_step(
         0, 0, 0, 0, u.p2.stride(0), u.p2.stride(1),
         *u.scalars, key_w, key_v, float(coef), offset32,
         FROM_GRAD=True, HAS_ACC=True, LOWP=False, IS_BF16=False, **u.consts,
-        W_BF16=p.dtype == torch.bfloat16, M_KIND=_kind(u.m), V_KIND=_kind(u.v), W_SR=bool(stochastic_rounding),
+        W_BF16=p.dtype == torch.bfloat16, M_KIND=u.kinds[0], V_KIND=u.kinds[1], W_SR=bool(stochastic_rounding),
         G_LOWP=_G_LOWP.get(g.dtype, 0) if coef != 1.0 else 0, ACC_LOWP=0,
         BM=u.bm, BN=u.bn, BK=16, TENSOR_CORES=False, num_warps=4, num_stages=1,
     )
@@ -592,7 +599,7 @@ def update_many(
         out_f, in_f = u.p2.shape
         row_ptrs = [t.data_ptr() for t in (u.p2, u.g2, u.m, u.v, u.m_scale, u.v_scale)]
         aligned = all(a % 16 == 0 for a in row_ptrs[:4]) and u.p2.stride(0) % 16 == 0  # (the kernel's hints)
-        key = (p.device, aligned, u.bm, u.bn, _kind(p), _G_KINDS[g.dtype], _kind(u.m), _kind(u.v),
+        key = (p.device, aligned, u.bm, u.bn, _kind(p), _G_KINDS[g.dtype], *u.kinds,
                _G_LOWP.get(g.dtype, 0) if coef != 1.0 else 0, tuple(sorted(u.consts.items())))
         row_ints = [out_f, in_f, _cdiv(in_f, K.Q_BLOCK), u.p2.stride(0), u.p2.stride(1), *u.keys]
         tiles = _cdiv(out_f, u.bm) * _cdiv(in_f, u.bn)

@@ -122,8 +122,8 @@ def _write_grad(base, ncols, t, lse, alpha, beta, gamma, delta, inp, out,
         z = _epilogue(tl.load(base + cols, mask=ok, other=0.0).to(tl.float32), inp, out, TANH)
         logp = z - lse
         p = tl.exp(logp)
-        # (p log p is 0 at p = 0, a -inf logit: not 0·(-inf))
-        g = tl.where(p > 0, p * (alpha + beta * logp), 0.0) if HAS_BETA else p * alpha
+        # (p log p is 0 at p = 0, a -inf logit: not 0·(-inf); a NaN p stays NaN, as the twin's xlogy keeps it)
+        g = tl.where(p == 0, 0.0, p * (alpha + beta * logp)) if HAS_BETA else p * alpha
         if HAS_GAMMA:
             g += tl.where(cols == t, gamma, 0.0)
         if HAS_DELTA:

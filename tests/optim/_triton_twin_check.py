@@ -249,6 +249,42 @@ def check_codes(device: str = "cpu") -> bool:
     return ok
 
 
+def check_fp16_weights(device: str = "cpu") -> float:
+    """fp16 weights (bf16 state, as ``state_dtype=auto`` keeps it for them; none for plain SGD, whose kernels take
+    the weight as a placeholder state pointer) through the fused, split, update and grouped launches against the
+    twin. Returns the fraction of weights that differ, raising if one is more than one fp16 step away."""
+    worst = 0.0
+    for rule in K.KERNEL_RULES:
+        g = torch.Generator().manual_seed(11)
+        names, hp = K.RULES[rule][1], _hp(rule)
+        dy, x = (torch.randn(6, n, generator=g).half().to(device) for n in (40, 70))
+        w0 = torch.randn(40, 70, generator=g).half().to(device)
+        st0 = {k: (torch.rand(40, 70, generator=g) * 1e-2).bfloat16().to(device) for k in names}
+        grad = (dy.t().float() @ x.float()).half()
+        runs = {
+            "fused": (T.linear_weight_step, K.linear_weight_step, (dy, x)),
+            "split": (T.linear_weight_step_split, K.linear_weight_step, (dy, x)),
+            "update": (T.update_step, K.update_step, (grad,)),
+            "grouped": (lambda r, p, gr, st, h, s: T.update_many(r, [(p, gr, st, h, s, 0, 0)]), K.update_step,
+                        (grad,)),
+        }
+        for name, (ours, twin, inputs) in runs.items():
+            w1, w2 = w0.clone(), w0.clone()
+            st1, st2 = ({k: v.clone() for k, v in st0.items()} for _ in range(2))
+            if name in ("fused", "split"):
+                ours(rule, *inputs, w1, st1, hp, 3)
+                twin(rule, *inputs, w2, st2, hp, 3)
+            else:
+                ours(rule, w1, *inputs, st1, hp, 3)
+                twin(rule, w2, *inputs, st2, hp, 3)
+            diff = (w1.float() - w2.float()).abs()
+            assert not torch.equal(w1, w0), (rule, name)
+            assert (diff <= torch.finfo(torch.float16).eps * w2.float().abs() * 1.0001 + 1e-7).all(), (rule, name)
+            worst = max(worst, (diff > 0).float().mean().item())
+    print(f"fp16 weights (every rule; fused, split, update, grouped): {worst:.2e} of weights one step apart")
+    return worst
+
+
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     rules = K.KERNEL_RULES
@@ -261,6 +297,7 @@ if __name__ == "__main__":
                    for state in ("bf16", "8bit") for sr in (False, True)) <= 0.01
     bf16_ok &= max(check_update(rule, case, dev) for rule in rules
                    for case in ("gain", "bf16_block", "8bit")) <= 0.01
+    bf16_ok &= check_fp16_weights(dev) <= 0.01
     # wider tiles (LINEAR_TILES' bn, which benchmarks.forge_launch --sweep times): the same results; with 8-bit
     # state a tile row then spans two scale blocks (136 columns: the second tile holds a partial block and one past
     # the end of the row)
