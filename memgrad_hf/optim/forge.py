@@ -255,7 +255,8 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         forge_ops.register(self)  # how a compiled model's FORGE layers find this optimizer
         self._compiled_pending: set[Tensor] = set()
         self._compiled_uses: dict[Tensor, int] = {}  # weight -> its compiled layer's uses not back-propagated yet
-        self.attach()
+        if not _trainer_managed:  # one the Trainer builds attaches when train() starts: create_optimizer() may come
+            self.attach()         # before it (to inspect the groups), and a backward until then must stay plain
 
     def attach(self) -> None:
         """Fuse the update into the model's layers (done by the constructor): swap the forward of its plain
@@ -399,6 +400,10 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                 self.max_grad_norm = own
         else:
             self.max_grad_norm = float(max_grad_norm)
+        # a use still pending from before this train() is not one this training back-propagates (the graph of an
+        # attempt that auto_find_batch_size retries, alive until collected): a second use it is not
+        self._last_use.clear()
+        self._compiled_uses.clear()
         self.attach()
 
     def end_trainer(self) -> None:

@@ -368,6 +368,26 @@ def test_second_trainer_on_same_model_takes_over(tmp_path):
     _assert_weights_close(model, ref)
 
 
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+def test_create_optimizer_before_train_leaves_the_model_plain_until_train(tmp_path, max_grad_norm):
+    # trainer.create_optimizer() before train() (to inspect the groups): FORGE attaches when train() starts, so a
+    # backward before that (a sanity check) fills .grad as stock's does, and training then equals stock's
+    runs = {}
+    for optim in ("forge_adamw", "adamw_torch"):
+        model = tiny_model("llama")
+        trainer = Trainer(model=model, args=_args(tmp_path / optim, optim, max_grad_norm=max_grad_norm),
+                          train_dataset=_data())
+        trainer.create_optimizer()
+        before = copy.deepcopy(model.state_dict())
+        batch = {"input_ids": torch.tensor([_data()[0]["input_ids"]]), "labels": torch.tensor([_data()[0]["labels"]])}
+        model(**batch).loss.backward()
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), optim
+        assert all(p.grad is not None for p in model.parameters()), optim
+        trainer.train()
+        runs[optim] = model
+    _assert_weights_close(runs["forge_adamw"], runs["adamw_torch"])
+
+
 def test_an_optimizer_given_to_the_trainer_with_optim_forge_is_warned_about(tmp_path, caplog):
     # the Trainer uses optimizers=(opt, ...) / optimizer_cls_and_kwargs and ignores args.optim: forge_adamw with a
     # LoRA+ AdamW silently trained without FORGE

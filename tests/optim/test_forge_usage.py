@@ -419,6 +419,33 @@ def test_auto_find_batch_size_without_exact_clipping_is_warned_about(tmp_path, c
     trainer.optimizer.detach()
 
 
+def test_auto_find_batch_size_retry_after_an_oom_in_backward_equals_adamw_torch(tmp_path, caplog):
+    # an OOM raised in the middle of the first backward at batch 4: the Trainer retries at a smaller batch while the
+    # failed attempt's graph may still be alive. Its uses are not second uses (no "used more than once" warning), and
+    # with exact clipping the failed attempt changed nothing
+    models = {}
+    for optim in ("forge_adamw", "adamw_torch"):
+        model, fired = tiny_model("llama"), []
+
+        def raise_once(mod, inp, out, fired=fired):
+            hidden = out[0] if isinstance(out, tuple) else out
+            if hidden.requires_grad and hidden.shape[0] == 4 and not fired:
+                def oom(_):
+                    fired.append(True)
+                    raise torch.OutOfMemoryError("CUDA out of memory. (simulated, in backward)")
+                hidden.register_hook(oom)
+
+        model.model.layers[0].register_forward_hook(raise_once)
+        args = _args(tmp_path / optim, optim, auto_find_batch_size=True, per_device_train_batch_size=4,
+                     max_grad_norm=1.0)
+        with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+            Trainer(model=model, args=args, train_dataset=_data()).train()
+        assert fired, optim
+        models[optim] = model
+    assert "more than once" not in caplog.text
+    _assert_weights_close(models["forge_adamw"], models["adamw_torch"])
+
+
 @pytest.mark.parametrize("how", ["instance", "cls_and_kwargs", "cls_and_model"])
 def test_a_ready_made_forge_optimizer_clips_at_the_trainers_max_grad_norm(tmp_path, how):
     # Trainer clips any optimizer's gradients at args.max_grad_norm; FORGE's own default is 0 (no clipping)
