@@ -30,7 +30,22 @@ def _add_member(enum_cls: Any, name: str, value: str) -> Any:
     enum_cls._member_map_[name] = member
     enum_cls._value2member_map_[value] = member
     type.__setattr__(enum_cls, name, member)  # EnumType.__setattr__ refuses to add members
+    # pickled (a checkpoint's training_args.bin) as a call of ours, not OptimizerNames(value): unpickling then
+    # imports memgrad_hf, which registers the name, where OptimizerNames("forge_adamw") alone would be refused
+    member.__reduce_ex__ = functools.partial(_reduce_member, value)
     return member
+
+
+def _reduce_member(value: str, protocol: int) -> tuple[Any, tuple[str]]:
+    return optimizer_name, (value,)
+
+
+def optimizer_name(value: str) -> Any:
+    """The registered ``OptimizerNames`` member ``value`` (``"forge_adamw"``, ...): how a pickled one is loaded."""
+    from transformers.training_args import OptimizerNames
+
+    register()
+    return OptimizerNames(value)
 
 
 def _parse_bool(v: str, key: str = "") -> bool:

@@ -407,6 +407,24 @@ def test_an_optimizer_given_to_the_trainer_with_optim_forge_is_warned_about(tmp_
     assert warned == [True, True, False, False]
 
 
+def test_cli_parses_forge_names_and_their_pickles_load_without_importing_memgrad(tmp_path):
+    import pickle
+    import subprocess
+    import sys
+
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--optim", "forge_lion", "--optim_args", "state_dtype=bf16", "--use_cpu"])
+    assert args.optim == "forge_lion" and args.optim_args == "state_dtype=bf16"
+    # a checkpoint's training_args.bin, loaded by a process that never imported memgrad_hf (inspecting a run)
+    (tmp_path / "training_args.bin").write_bytes(pickle.dumps(args))
+    code = "import pickle, sys; print(pickle.load(open(sys.argv[1], 'rb')).optim.value)"
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "training_args.bin")], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "forge_lion", res.stderr[-2000:]
+
+
 def test_fp16_and_bad_optim_args_are_refused(tmp_path):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="fp16"):
