@@ -14,7 +14,7 @@ on held-out text (with the FAN gradient and, for comparison, with the exact grad
 Other data and models:
 
     python recipes/titans_lm.py --enwik8 /data/enwik8 --seq 512 --model_dim 256 --layers 4 --max_steps 5000 --bf16
-    python recipes/titans_lm.py --text my_corpus.txt --memory_layers 1 3 --chunk_size 32
+    python recipes/titans_lm.py --text my_corpus.txt --layers 4 --memory_layers 1 3 --chunk_size 32
     python recipes/titans_lm.py --model Qwen/Qwen2.5-0.5B --text my_corpus.txt --memory_layers -1 --bf16
 
 ``--enwik8`` reads the raw file byte by byte (the usual 90M/5M/5M split; ``--enwik8_bytes`` caps what is read), so

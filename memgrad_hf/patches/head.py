@@ -116,8 +116,11 @@ def _check_head_adapters(head: nn.Module, owner: str) -> None:
     LoRA adapters the head (or a ``modules_to_save`` copy of it) already has."""
     try:
         from peft.tuners.lora.layer import Linear as LoraLinear
+        from peft.utils.other import TrainableTokensWrapper
     except ImportError:
         return
+    if isinstance(head, TrainableTokensWrapper):  # (trainable_token_indices with tied embeddings)
+        resolve_head(head, torch.empty(0), owner)  # raises, naming the fix
     for m in head.modules():
         if isinstance(m, LoraLinear):
             _check_lora_head(m, owner)

@@ -305,6 +305,19 @@ def test_peft_dora_on_lm_head_is_refused_with_the_fix():
     _assert_same(out, g, ref_out, ref_g)
 
 
+def test_peft_trainable_tokens_on_a_tied_head_is_refused_by_patch_model():
+    # trainable_token_indices on tied embeddings wraps the output embeddings too (TrainableTokensWrapper): refused
+    # by patch_model itself, naming the fix, which trains
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[1, 2])
+    model = get_peft_model(tiny_model("llama", tied=True), cfg)
+    with pytest.raises(UnsupportedModelError, match=r"TrainableTokensWrapper.*head=False"):
+        memgrad_hf.patch_model(model)
+    ids, labels = _batch()
+    memgrad_hf.patch_model(model, head=False)(input_ids=ids, labels=labels).loss.backward()
+
+
 # ----------------------------------------------------------------------------------------------- errors
 
 
