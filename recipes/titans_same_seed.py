@@ -9,8 +9,8 @@ gap to the reference is printed beside the manual kernel's (training amplifies a
 the manual kernel's gap should be no larger than this floor's). Also printed: the largest relative difference of the
 trained weights (per tensor, over its largest element) and the median time per step of each run. Read it against the
 floor's too: in the first steps a tensor whose gradient is still at rounding level (a zero-initialised output
-projection, for instance) moves by Adam's ±lr per element with a sign that rounding decides, so its difference can reach 2 in the
-floor run as well.
+projection, for instance) moves by Adam's ±lr per element with a sign that rounding decides, so its difference can
+reach 2 in the floor run as well.
 
 Offline demo (no arguments): a small Llama-style model over a local character tokenizer and the built-in text.
 
