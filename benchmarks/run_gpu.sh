@@ -71,7 +71,7 @@ raise SystemExit(len(g.FAILED))" 2>&1 | tee "$out/checks.md" || status=1 ;;
       # compiled step without clipping, Triton's launcher included). Each step under its own limit (s).
       timeout -k 5 50 python tests/optim/_triton_twin_check.py cuda 2>&1 | tee "$out/checks.md" || status=1
       timeout -k 5 60 python tests/optim/_triton_group_check.py cuda 2>&1 | tee -a "$out/checks.md" || status=1
-      # (the head kernels' -inf-logit fix of 2026-11-28, compiled)
+      # (the head kernels' -inf-logit and NaN-row fixes of 2026-11-28, compiled; the twin check above has fp16 weights)
       timeout -k 5 60 python tests/_head_triton_check.py cuda 2>&1 | tee -a "$out/checks.md" || status=1
       timeout -k 5 120 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 8 --repeats 1 --in-process-memory --configs adamw_torch_fused \
