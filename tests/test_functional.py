@@ -640,3 +640,16 @@ def test_retain_head_grads_holds_in_the_thread_autograd_runs_the_backward_on():
     first = h.grad.clone()
     loss.backward()
     assert torch.allclose(h.grad, 2 * first)
+
+
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_an_in_place_change_of_the_weight_before_backward_raises_as_in_stock(grad_in_forward):
+    # the fused path's gradients are the forward-time weight's: an optimizer step between forward and backward went
+    # unnoticed there, where autograd's version check catches it for full logits (and for the recompute path)
+    h, w, _, y = _inputs()
+    w = w.detach().requires_grad_()
+    loss = linear_cross_entropy(h, w, y, grad_in_forward=grad_in_forward)
+    with torch.no_grad():
+        w.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

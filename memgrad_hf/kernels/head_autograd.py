@@ -64,6 +64,10 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         )
         ctx.grads = (dx, dw, db)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        # saved (references, no copy) for autograd's version check alone: the gradients above are the weight's as
+        # it was in forward, so an in-place change before backward (an optimizer step between the two) must raise,
+        # as it does for the logits' matmul in stock
+        ctx.save_for_backward(weight, bias)
         return loss
 
     @staticmethod
@@ -79,6 +83,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 "optimizer its own option decides: optim_args head_grad=recompute), or grad_in_forward=False to "
                 "linear_cross_entropy."
             )
+        ctx.saved_tensors  # noqa: B018  (raises if the weight or bias changed in place since forward)
         dx, dw, db = ctx.grads
         retain = _RETAIN["on"]
         if not retain:
