@@ -259,7 +259,8 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             self.attach()         # before it (to inspect the groups), and a backward until then must stay plain
 
     def attach(self) -> None:
-        """Fuse the update into the model's layers (done by the constructor): swap the forward of its plain
+        """Fuse the update into the model's layers (done by the constructor; one the Trainer builds for
+        ``optim="forge_*"``, when ``train()`` starts): swap the forward of its plain
         ``nn.Linear`` / ``nn.Embedding`` layers and hook every other trainable parameter. Undone by :meth:`detach`;
         the Trainer detaches when ``train()`` ends and attaches again when it starts, so that the model trains (and
         back-propagates) normally in between, e.g. under another optimizer."""

@@ -113,7 +113,8 @@ def _check_lora_head(head: nn.Module, owner: str, adapters: Any = None) -> None:
 
 def _check_head_adapters(head: nn.Module, owner: str) -> None:
     """At ``patch_model``: the refusals :func:`resolve_head` would raise at the first training forward, for the PEFT
-    LoRA adapters the head (or a ``modules_to_save`` copy of it) already has."""
+    LoRA adapters the head (or a ``modules_to_save`` copy of it) already has, and for PEFT's trainable-tokens
+    wrapper."""
     try:
         from peft.tuners.lora.layer import Linear as LoraLinear
         from peft.utils.other import TrainableTokensWrapper
