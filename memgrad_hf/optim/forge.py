@@ -242,6 +242,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._applied: set[Tensor] = set()  # updated since the last step(): a second update there is warned about
         self._warned_twice = False
         self._warned_nosync = False
+        self._warned_second_norm = False  # (forge_clip._begin_norm)
         self._clip_call_warned = False  # a clip_grad_norm_ call that clips nothing was warned about (registration)
         self._swapped: list[nn.Module] = []
         self._hooks: list[Any] = []
@@ -900,6 +901,8 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         # gradients still deferred (a root left over from a backward that raised made a later backward without a
         # root defer them): complete by now, applied here rather than lost
         self._leave()
+        if self._is_sync():
+            self._apply_unreached()
         self._report_shared()
         self._applied.clear()
         self._in_layer.clear()
@@ -923,6 +926,17 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._mode = "apply"
         self._norm_pass_seen = False
         return loss
+
+    def _apply_unreached(self) -> None:
+        """Parameters the sync backward did not reach whose gradient waits in ``.grad`` (accumulated over earlier
+        micro-batches: an MoE expert, a task head or a branch the last micro-batch does not use): updated from it
+        here, as ``torch.optim`` steps every parameter with a ``.grad`` (with exact clipping the norm pass counted
+        them). Every gradient a backward reached was consumed by its update; after a skipped step, dropped."""
+        for p in self._group_index:
+            if p.grad is not None and p.requires_grad and p not in self._applied and not p.grad.is_sparse:
+                g, p.grad = p.grad, None
+                if self._mode != "skip":
+                    self._apply(p, g)
 
     def backward(self, loss: Tensor) -> None:
         """``loss.backward()`` with exact clipping for losses computed outside the model's forward; the first call also

@@ -125,6 +125,13 @@ class ExactClipping:
         Gradients accumulated over earlier micro-batches step aside: a .grad that appears during the pass is this
         backward's own (autograd's, for hooked tensors and for fused weights used outside their module). Each
         stashed sum is counted once, by whichever path meets it first (_accumulated)."""
+        if self._norm_pass_seen and not self._warned_second_norm:  # (said once per optimizer)
+            self._warned_second_norm = True
+            log.warning(
+                "forge: a second backward with exact clipping before step(): each backward is clipped by its own "
+                "gradient norm, where torch clips the sum of both by one norm at step(). Sum the losses into one "
+                "backward, or set optimizer.sync = False before every backward of the step but the last (their "
+                "gradients then wait in .grad and count in the last one's norm).")
         if self._mode == "norm":  # an earlier recording backward never finished (e.g. it raised): nothing applied
             log.warning("forge: a backward with exact clipping did not complete; its updates were not applied")
             self._replays = None
@@ -151,6 +158,8 @@ class ExactClipping:
     def _end_norm(self) -> None:
         """Leave the norm pass: restore the stashed gradients and set the clip coefficient (or skip the step)."""
         for p, g in self._stash.items():
+            if p not in self._stash_counted:  # accumulated, but this backward did not reach it: applied at step()
+                self._measure(g)
             p.grad = g
         replayed = self._norm_task != "backward"
         for p, before in self._outside.items():

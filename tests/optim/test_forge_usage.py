@@ -1125,3 +1125,60 @@ def test_a_grad_held_before_the_optimizer_exists_is_warned_about_and_zero_grad_m
     with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
         ForgeAdamW(ref.parameters(), model=ref, lr=0.1).detach()
     assert "already hold a .grad" not in caplog.text
+
+
+class _TwoHeads(nn.Module):
+    """A body and two task heads: a micro-batch of task "a" never reaches head_b, and the other way round."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head_a, self.head_b = nn.Linear(8, 16), nn.Linear(16, 3), nn.Linear(16, 3)
+
+    def forward(self, x, y, task):
+        head = self.head_a if task == "a" else self.head_b
+        return nn.functional.cross_entropy(head(torch.tanh(self.body(x))), y)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.5])
+@pytest.mark.parametrize("rule", ["sgd", "adamw"])
+def test_accumulated_gradients_of_parameters_the_last_micro_batch_misses_are_applied(rule, max_grad_norm):
+    # accumulation where the sync micro-batch does not reach every parameter (a task head, an MoE expert): torch steps
+    # them from their accumulated .grad, and clips by the norm over all of them; FORGE left them waiting in .grad
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(6)]
+    forge_cls, torch_cls, kw = ((ForgeSGD, torch.optim.SGD, dict(lr=0.5)) if rule == "sgd"
+                                else (ForgeAdamW, torch.optim.AdamW, dict(lr=1e-2)))
+    a, b = _TwoHeads(), _TwoHeads()
+    fo, to = forge_cls(a.parameters(), model=a, max_grad_norm=max_grad_norm, **kw), torch_cls(b.parameters(), **kw)
+    for step in range(3):
+        (x1, y1), (x2, y2) = data[2 * step], data[2 * step + 1]
+        fo.sync = False
+        a(x1, y1, "a").backward()
+        fo.sync = True
+        a(x2, y2, "b").backward()
+        fo.step()
+        to.zero_grad()
+        b(x1, y1, "a").backward()
+        b(x2, y2, "b").backward()
+        if max_grad_norm:
+            norm = torch.nn.utils.clip_grad_norm_(b.parameters(), max_grad_norm)
+            assert fo.last_grad_norm == pytest.approx(norm.item(), rel=1e-5)
+        to.step()
+    fo.detach()
+    assert all(p.grad is None for p in a.parameters())
+    _assert_weights_close(a, b)
+
+
+def test_a_second_clipped_backward_before_step_is_warned_about(caplog):
+    # each opt.backward() with exact clipping clips by its own norm; torch clips the sum once at step()
+    model = _TwoHeads()
+    opt = ForgeSGD(model.parameters(), model=model, lr=0.1, max_grad_norm=0.1)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        opt.backward(model(x, y, "a"))
+        assert "second backward with exact clipping" not in caplog.text
+        opt.backward(model(x, y, "b"))
+    assert "second backward with exact clipping" in caplog.text and "sync = False" in caplog.text
+    opt.step()
+    opt.detach()
