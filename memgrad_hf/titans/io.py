@@ -167,6 +167,11 @@ def load_titans(model: nn.Module, path: str | os.PathLike, **hub_kwargs: Any) ->
         raise ValueError(f"load_titans: the checkpoint at {os.fspath(path)!r} holds FANs that the model's memories do "
                          "not have; patch with TitansConfig(..., fan=True), or call load_titans on a model not yet "
                          "patched to take the saved configuration.")
+    if missing and unexpected and all("modules_to_save." in n or "original_module." in n for _, n in unexpected):
+        raise ValueError(f"load_titans: the checkpoint at {os.fspath(path)!r} was saved from a PEFT model with "
+                         "modules_to_save=['titans_memory'] (its keys are PEFT's copies): load it into that PEFT model "
+                         "(PeftModel.from_pretrained, then load_titans), or merge before saving "
+                         "(peft_model.merge_and_unload(), then save_pretrained / save_titans).")
     if missing or unexpected:
         fmt = lambda ks: ", ".join(f"layers.{i}.{BRANCH_ATTR}.{n}" for i, n in ks[:6]) + (" ..." if len(ks) > 6 else "")
         raise ValueError(

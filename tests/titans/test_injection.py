@@ -327,6 +327,18 @@ def test_peft_lora_with_memory_in_modules_to_save():
     assert len(trained) == 1 and trained[0].grad.abs().sum() > 0
 
 
+def test_load_titans_of_a_peft_modules_to_save_file_into_a_plain_model_names_the_merge(tmp_path):
+    # the file holds PEFT's original and trained copies of each memory: the error said to re-patch instead
+    from peft import LoraConfig, get_peft_model
+
+    model = memgrad_hf.patch_model(tiny_model("llama"), titans=TitansConfig(layers=[1], **CFG))
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["titans_memory"]))
+    save_titans(peft, tmp_path)
+    plain = memgrad_hf.patch_model(tiny_model("llama"), titans=TitansConfig(layers=[1], **CFG))
+    with pytest.raises(ValueError, match=r"PEFT model with modules_to_save.*merge_and_unload"):
+        load_titans(plain, tmp_path)
+
+
 def test_peft_freezing_the_untrained_memory_is_warned_about(caplog):
     # PEFT freezes a memory left out of modules_to_save: still zero, its branch added nothing, silently
     from peft import LoraConfig, get_peft_model
