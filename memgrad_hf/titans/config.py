@@ -38,6 +38,11 @@ class TitansConfig:
     fan: bool = False
     fan_frozen: bool = False
 
+    def __post_init__(self) -> None:
+        # (the memory's own settings are checked by NeuralMemory; this one is the config's alone)
+        if not isinstance(self.fan_frozen, bool):
+            raise ValueError(f"TitansConfig: fan_frozen must be True or False; got {self.fan_frozen!r}.")
+
     def memory_kwargs(self) -> dict[str, Any]:
         """The :class:`NeuralMemory` keyword arguments (everything but ``layers`` and ``fan_frozen``)."""
         kw = asdict(self)

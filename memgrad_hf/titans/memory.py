@@ -135,13 +135,14 @@ class NeuralMemory(nn.Module):
         fan: bool = False,
     ) -> None:
         super().__init__()
-        sizes = {"dim": dim, "heads": heads, "dim_head": dim_head, "expansion": expansion, "chunk_size": chunk_size}
+        sizes = {"dim": dim, "heads": heads, "dim_head": dim_head, "depth": depth, "expansion": expansion,
+                 "chunk_size": chunk_size}
         for name, value in sizes.items():  # (a float chunk_size failed only in forward; heads=0 divided by zero)
             if value is None and name == "dim_head":
                 continue
             if not hasattr(value, "__index__") or isinstance(value, bool) or value < 1:
                 raise ValueError(f"NeuralMemory: {name} must be a positive integer; got {value!r}.")
-        if not isinstance(max_lr, (int, float)) or not math.isfinite(max_lr) or max_lr <= 0:
+        if not isinstance(max_lr, (int, float)) or isinstance(max_lr, bool) or not math.isfinite(max_lr) or max_lr <= 0:
             raise ValueError(f"NeuralMemory: max_lr must be a finite number > 0 (the inner step's largest learning "
                              f"rate); got {max_lr!r}.")
         for name, flag in (("momentum", momentum), ("forget", forget), ("fan", fan)):

@@ -91,14 +91,22 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="divisible"):
         NeuralMemory(15, heads=2)
     # each named (heads=0 and dim_head=0 divided by zero; a float chunk_size failed only in the first forward)
-    for kw in ({"heads": 0}, {"dim_head": 0}, {"chunk_size": 2.5}, {"expansion": -1}, {"heads": True}):
+    for kw in ({"heads": 0}, {"dim_head": 0}, {"chunk_size": 2.5}, {"expansion": -1}, {"heads": True},
+               {"depth": 2.0}, {"depth": True}):
         name, value = next(iter(kw.items()))
         with pytest.raises(ValueError, match=f"{name} must be a positive integer; got {value}"):
             NeuralMemory(16, **kw)
+    with pytest.raises(ValueError, match="depth must be a positive integer; got '2'"):
+        NeuralMemory(16, depth="2")
     # a nan / negative max_lr made the retrieval non-finite / the inner step climb; "no" is truthy
-    for kw in ({"max_lr": float("nan")}, {"max_lr": -0.1}, {"max_lr": 0}, {"momentum": "no"}, {"fan": "yes"}):
+    for kw in ({"max_lr": float("nan")}, {"max_lr": -0.1}, {"max_lr": 0}, {"max_lr": True}, {"momentum": "no"},
+               {"fan": "yes"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             NeuralMemory(16, **kw)
+    from memgrad_hf.titans import TitansConfig
+
+    with pytest.raises(ValueError, match="fan_frozen must be True or False; got 'yes'"):
+        TitansConfig(fan_frozen="yes")
     with pytest.raises(ValueError, match="shape"):
         NeuralMemory(16)(torch.randn(2, 16))
     mem = NeuralMemory(16, chunk_size=4)
