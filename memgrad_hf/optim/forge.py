@@ -891,18 +891,15 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                 "False, e.g. left so by an accelerator.accumulate() block that was interrupted): the gradients went "
                 "into .grad and no update was applied. Step at the sync micro-batch, or set opt.sync = True in a "
                 "loop without accumulation.", type(self).__name__)
-        late = [p for p in self._unhooked if p.grad is not None]
-        if late and self._is_sync():  # trainable since the hooks were set: their gradient waited in .grad
-            for p in late:
-                g, p.grad = p.grad, None
-                if self._mode != "skip":
-                    self._apply(p, g)
-            self._hook_new()
+        # trainable since the hooks were set: their gradient waited in .grad (applied below), hooked from now on
+        late = self._is_sync() and any(p.grad is not None for p in self._unhooked)
         # gradients still deferred (a root left over from a backward that raised made a later backward without a
         # root defer them): complete by now, applied here rather than lost
         self._leave()
         if self._is_sync():
             self._apply_unreached()
+        if late:
+            self._hook_new()
         self._report_shared()
         self._applied.clear()
         self._in_layer.clear()
@@ -929,11 +926,12 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
 
     def _apply_unreached(self) -> None:
         """Parameters the sync backward did not reach whose gradient waits in ``.grad`` (accumulated over earlier
-        micro-batches: an MoE expert, a task head or a branch the last micro-batch does not use): updated from it
+        micro-batches: an MoE expert, a task head or a branch the last micro-batch does not use; or unfrozen since
+        the hooks were set, so that no hook took it): updated from it
         here, as ``torch.optim`` steps every parameter with a ``.grad`` (with exact clipping the norm pass counted
         them). Every gradient a backward reached was consumed by its update; after a skipped step, dropped."""
         for p in self._group_index:
-            if p.grad is not None and p.requires_grad and p not in self._applied and not p.grad.is_sparse:
+            if p.grad is not None and p.requires_grad and p not in self._applied:
                 g, p.grad = p.grad, None
                 if self._mode != "skip":
                     self._apply(p, g)
