@@ -25,6 +25,7 @@ from torch import Tensor
 
 from memgrad_hf.kernels import forge as K
 from memgrad_hf.kernels.triton_common import round_bf16 as _round_bf16
+from memgrad_hf.kernels.triton_launch import Launcher
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +278,9 @@ def _forge_linear_kernel(
         tl.atomic_add(bad_ptr, 1)
 
 
+_launch_linear = Launcher(_forge_linear_kernel)
+
+
 def _rule_args(rule: str, hp: dict[str, Any], step: int) -> dict[str, Any]:
     """The kernel's rule constants and its (beta1, beta2, eps, bc1, bc2_sqrt) for ``rule``."""
     if rule not in K.KERNEL_RULES:
@@ -361,8 +365,8 @@ def linear_weight_step(
     seeds = K.rounding_seeds(seed, names)
     m_scale = st.get(names[0] + ".scale", w) if names else w  # w: a placeholder pointer where no scales exist
     b1, b2, omb1, omb2, eps, bc1, bc2_sqrt = ra["scalars"]
-    grid = (_cdiv(out_f, bm), _cdiv(in_f, bn))
-    _forge_linear_kernel[grid](
+    _launch_linear(
+        (_cdiv(out_f, bm), _cdiv(in_f, bn)),
         0, 0, dy, x, w, *(t.view(torch.uint8) if t.dtype == K.Q_DTYPE else t for t in (m, v)),  # codes as bytes
         m_scale, st.get("exp_avg_sq.scale", m_scale),
         acc if acc is not None else w, norm, bad,
@@ -479,7 +483,8 @@ def update_step(
     out_f, in_f = u.p2.shape
     norm, bad = _sums(sums, p.device)
     key_w, key_v, offset32 = u.keys
-    _forge_linear_kernel[(_cdiv(out_f, u.bm), _cdiv(in_f, u.bn))](
+    _launch_linear(
+        (_cdiv(out_f, u.bm), _cdiv(in_f, u.bn)),
         0, 0, u.g2, u.g2, u.p2, u.m, u.v, u.m_scale, u.v_scale, u.g2, norm, bad,
         0, out_f, in_f, _cdiv(in_f, K.Q_BLOCK),
         0, 0, 0, 0, u.p2.stride(0), u.p2.stride(1),
