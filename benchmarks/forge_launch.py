@@ -49,7 +49,7 @@ def _device_us(fn, calls: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from memgrad_hf.kernels import forge as K
-    from memgrad_hf.kernels import forge_triton
+    from memgrad_hf.kernels import forge_triton, triton_launch
     from memgrad_hf.optim.forge import ForgeAdamW
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.forge_launch", description=__doc__,
@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         st = {"exp_avg": torch.zeros_like(w, dtype=kind), "exp_avg_sq": torch.zeros_like(w, dtype=kind)}
         rows.append((f"Triton linear_weight_step only, {str(kind)[6:]} state", *_time(
             lambda st=st: forge_triton.linear_weight_step("adamw", dy, x, w.data, st, hp, 5), a.calls)))
+        # the same through Triton's per-call binding (MEMGRAD_TRITON_LAUNCH=jit), as before triton_launch
+        triton_launch.ENABLED, enabled = False, triton_launch.ENABLED
+        rows.append(("the same, Triton's binding per call (MEMGRAD_TRITON_LAUNCH=jit)", *_time(
+            lambda st=st: forge_triton.linear_weight_step("adamw", dy, x, w.data, st, hp, 5), a.calls)))
+        triton_launch.ENABLED = enabled
         # kernel=split: cuBLAS dW row tiles, each then updated by the update kernel
         rows.append((f"split: cuBLAS dW tiles + Triton update, {str(kind)[6:]} state", *_time(
             lambda st=st: forge_triton.linear_weight_step_split("adamw", dy, x, w.data, st, hp, 5,

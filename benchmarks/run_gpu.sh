@@ -73,6 +73,9 @@ raise SystemExit(len(g.FAILED))" 2>&1 | tee "$out/checks.md" || status=1 ;;
       timeout -k 5 60 python tests/optim/_triton_group_check.py cuda 2>&1 | tee -a "$out/checks.md" || status=1
       # (the head kernels' -inf-logit and NaN-row fixes of 2026-11-28, compiled; the twin check above has fp16 weights)
       timeout -k 5 60 python tests/_head_triton_check.py cuda 2>&1 | tee -a "$out/checks.md" || status=1
+      # host µs per FORGE launch with triton_launch's direct launch (new) and with Triton's binding, a tiny layer
+      timeout -k 5 30 python -m benchmarks.forge_launch --out 256 --in 256 --tokens 64 --calls 300 2>&1 \
+        | tee "$out/forge-launch.md" || status=1
       timeout -k 5 120 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 8 --repeats 1 --in-process-memory --configs adamw_torch_fused \
         forge_lion+8bit_state+split+compile 2>&1 | tee "$out/forge-noclip.md" || status=1

@@ -285,6 +285,45 @@ def check_fp16_weights(device: str = "cpu") -> float:
     return worst
 
 
+def check_direct_launch(device: str = "cpu") -> bool:
+    """Compiled: a launch that skips Triton's binding (``triton_launch``, a variant launched before) writes the same
+    weights and state, bit for bit, as one through ``kernel[grid]`` (``MEMGRAD_TRITON_LAUNCH=jit``). Under the
+    interpreter every launch goes through Triton: nothing to compare."""
+    from memgrad_hf.kernels import triton_launch as L
+
+    if device == "cpu":
+        print("direct launches: none under the interpreter")
+        return True
+    ok, before = True, T._launch_linear.direct
+    for rule, act, state, offset in (("adamw", torch.float32, "fp32", 0), ("lion", torch.bfloat16, "8bit", 0),
+                                     ("adamw", torch.bfloat16, "bf16", 1)):
+        g = torch.Generator().manual_seed(5)
+        dy = torch.randn(33, 64, generator=g).to(device, act)
+        x = torch.randn(33 * 128 + offset, generator=g).to(device, act)[offset:].view(33, 128)  # (offset: misaligned)
+        w0 = torch.randn(64, 128, generator=g).to(device, act)
+        st0 = {k: torch.rand(64, 128, generator=g).to(device) * 1e-2 for k in K.RULES[rule][1]}
+        if state == "8bit":
+            st0 = {k2: v2 for k, v in st0.items()
+                   for k2, v2 in zip((k, k + ".scale"), K.quantize_8bit(v, positive=k == "exp_avg_sq"), strict=True)}
+        elif state == "bf16":
+            st0 = {k: v.bfloat16() for k, v in st0.items()}
+        outs = []
+        for enabled in (False, True, True):  # Triton's binding; then the launcher, twice (the second launches directly)
+            L.ENABLED, saved = enabled, L.ENABLED
+            w, st = w0.clone(), {k: v.clone() for k, v in st0.items()}
+            T.linear_weight_step(rule, dy, x, w, st, _hp(rule), 3, stochastic_rounding=True, seed=9)
+            L.ENABLED = saved
+            outs.append((w, st))
+        same = all(torch.equal(outs[0][0], o[0]) and all(torch.equal(outs[0][1][k], o[1][k]) for k in st0)
+                   for o in outs[1:])
+        ok &= same
+        print(f"direct launch {rule} {str(act)[6:]} activations, {state} state, offset {offset}: "
+              f"{'bit-identical' if same else 'DIFFERENT'}")
+    direct = T._launch_linear.direct - before
+    print(f"direct launches: {direct}")
+    return ok and direct >= 3
+
+
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     rules = K.KERNEL_RULES
@@ -298,6 +337,7 @@ if __name__ == "__main__":
     bf16_ok &= max(check_update(rule, case, dev) for rule in rules
                    for case in ("gain", "bf16_block", "8bit")) <= 0.01
     bf16_ok &= check_fp16_weights(dev) <= 0.01
+    bf16_ok &= check_direct_launch(dev)
     # wider tiles (LINEAR_TILES' bn, which benchmarks.forge_launch --sweep times): the same results; with 8-bit
     # state a tile row then spans two scale blocks (136 columns: the second tile holds a partial block and one past
     # the end of the row)
