@@ -18,7 +18,6 @@ found and its parts summed before one update, as in eager mode.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import weakref
 from typing import Any
@@ -83,7 +82,8 @@ def _note_use(weight: Tensor) -> None:
 
 def _forge_linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype | None) -> Tensor:
     """``F.linear(x, weight, bias)`` in ``dtype`` (None: the weight's)."""
-    if torch.is_autocast_enabled(x.device.type):  # (the op casts itself, as the eager Function does)
+    # (the op casts itself, as the eager Function does; the first check is one C call, the second builds a device)
+    if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(x.device.type):
         with torch.autocast(x.device.type, enabled=False):
             out, _, _ = linear_forward(x, weight, bias, dtype)
     else:
@@ -106,9 +106,12 @@ def _forge_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, dtype: torch.d
     opt, dt = _owner(weight), dtype or weight.dtype
     fused = _begin_backward(opt, weight)
     xc = x if x.dtype == dt else x.to(dt)
-    with _borrowed(opt):
+    _borrow(opt, True)
+    try:
         dx, dw, db = linear_backward(opt, dy, xc, weight, bias_dtype, dt, need_dx, True,
                                      (lambda: _accumulates(weight, opt)) if fused else (lambda: False))
+    finally:
+        _borrow(opt, False)
     if dw is not None:
         _weight_grad(opt, weight, dw, fused)
     if dx is not None and dx.dtype != x.dtype:
@@ -150,9 +153,12 @@ def _forge_embedding_backward(dy: Tensor, ids: Tensor, weight: Tensor, padding_i
     """The fused update of an embedding's ``weight``; returns an empty tensor (the operator's effect is the update)."""
     opt = _owner(weight)
     fused = _begin_backward(opt, weight)
-    with _borrowed(opt):
+    _borrow(opt, True)
+    try:
         dw = embedding_backward(opt, dy, ids, weight, padding_idx,
                                 (lambda: _accumulates(weight, opt)) if fused else (lambda: False))
+    finally:
+        _borrow(opt, False)
     if dw is not None:
         _weight_grad(opt, weight, dw, fused)
     return dy.new_empty(0)
@@ -181,18 +187,12 @@ def _backward_embedding(ctx: Any, dout: Tensor) -> tuple:
 register_autograd("memgrad::forge_embedding", _backward_embedding, setup_context=_setup_embedding, lib=_LIB)
 
 
-@contextlib.contextmanager
-def _borrowed(opt: Any):
-    """While an operator runs the update: what it records for a later replay (exact clipping's norm pass) must be
-    copied, the graph reusing its buffers once the operator returns (a replay read another tensor's values)."""
-    if opt is None:
-        yield
-        return
-    opt._borrowed_inputs = True
-    try:
-        yield
-    finally:
-        opt._borrowed_inputs = False
+def _borrow(opt: Any, on: bool) -> None:
+    """Set while an operator runs the update: what it records for a later replay (exact clipping's norm pass) must be
+    copied, the graph reusing its buffers once the operator returns (a replay read another tensor's values). (A flag
+    set and reset around the call: a context manager costs ~1.5 µs per layer and step.)"""
+    if opt is not None:
+        opt._borrowed_inputs = on
 
 
 def _begin_backward(opt: Any, weight: Tensor) -> bool:
