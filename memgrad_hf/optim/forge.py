@@ -47,6 +47,7 @@ from memgrad_hf.optim.forge_clip import ExactClipping, LossRoot, allow_retained_
 from memgrad_hf.optim.forge_state import StateCheckpointing
 from memgrad_hf.optim.forge_uses import UseTracking, segment_ends, segment_starts
 from memgrad_hf.patches import forge as P
+from memgrad_hf.patches.unwrap import present_as_forward
 
 log = logging.getLogger("memgrad_hf.forge")
 
@@ -240,6 +241,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._segment_hooks: list[Any] = []
         self._in_layer: set[Tensor] = set()  # fused weights whose layer back-propagated since the last step()
         self._applied: set[Tensor] = set()  # updated since the last step(): a second update there is warned about
+        self._second_parts: set[Tensor] = set()  # a use outside the layer found this step: one more update expected
         self._warned_twice = False
         self._warned_nosync = False
         self._warned_second_norm = False  # (forge_clip._begin_norm)
@@ -430,7 +432,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             out = self_.__dict__[key](*args, **kwargs)
             return opt._wrap_loss(out) if on["wrap"] and opt.model is self_ else out
 
-        functools.update_wrapper(forward, type(model).forward)  # inspect.signature sees the class's forward
+        present_as_forward(forward, model)
         forward._memgrad_forge_on = on  # type: ignore[attr-defined]
         model.forward = types.MethodType(forward, model)
         self._wrapped_forward = True
@@ -819,9 +821,15 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             # applies the two separately; from the next step on the parts are summed first (exact). (Without the
             # layer's own backward this step, the hook's gradient is the whole gradient: one update, exact.)
             self._mark_shared(p, "is also used outside its layer (e.g. a penalty on the weight in the loss), found "
-                                 "only as this step applied that part of its gradient as a second update (loss "
-                                 "backward through optimizer.backward(loss) finds such uses before the first step)")
-            self._applied.discard(p)  # (the same backward's second part: not "a second backward" to warn about)
+                                 "only as this step applied that part of its gradient as a second update "
+                                 "(optimizer.backward(loss) and the Trainer find the uses in the first backward's "
+                                 "graph before any update; a use added later is found here)")
+            # (the same backward's second part, not "a second backward" to warn about; in the norm pass both parts
+            # are applied later, by the replay, one after the other)
+            if self._mode == "norm":
+                self._second_parts.add(p)
+            else:
+                self._applied.discard(p)
         if p.grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients: use "
                                "nn.Embedding(sparse=False), or torch.optim.SparseAdam for that embedding.")
@@ -902,6 +910,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             self._hook_new()
         self._report_shared()
         self._applied.clear()
+        self._second_parts.clear()
         self._in_layer.clear()
         self._shared = set(self._shared_fixed)  # marks found at forward hold for their step only
         self._compiled_uses.clear()

@@ -180,6 +180,9 @@ class UseTracking:
 
     def _note_update(self, p: Tensor) -> None:
         """Warn once when a parameter is updated twice between two step() calls (each backward applies an update)."""
+        if p in self._applied and p in self._second_parts:  # (a use outside the layer: its part, applied apart)
+            self._second_parts.discard(p)
+            return
         if p not in self._applied:
             if not self._applied:  # the step's first update (see ForgeOptimizer._warn_late_hyperparameters)
                 self._hp_used = self._hyperparameters()

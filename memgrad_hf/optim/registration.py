@@ -343,31 +343,43 @@ def _hook_accelerator_backward() -> None:
         for o in getattr(self, "_optimizers", ()):
             inner = forge_optimizer_of(o)
             if inner is not None:
-                _warn_clip_does_nothing(inner, max_norm, "accelerator.clip_grad_norm_")
+                _warn_clip_does_nothing(inner, max_norm, "accelerator.clip_grad_norm_", _norm_type(args, kwargs))
         return original_clip(self, parameters, max_norm, *args, **kwargs)
 
     Accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
-def _warn_clip_does_nothing(opt: Any, max_norm: float, caller: str) -> None:
+def _warn_clip_does_nothing(opt: Any, max_norm: float, caller: str, norm_type: Any = 2.0) -> None:
     """Once per optimizer: a clip call in a hand-written loop finds no ``.grad`` to clip (FORGE applied each update
     inside backward), unless the optimizer itself clips at that norm. The Trainer's own call clips through FORGE."""
-    exact = opt.max_grad_norm == max_norm and opt.clip != "previous"  # (then the call returns the measured norm)
+    two = float(norm_type) == 2.0
+    exact = opt.max_grad_norm == max_norm and opt.clip != "previous" and two  # (the call returns the measured norm)
     if opt._trainer_managed or not max_norm or not math.isfinite(max_norm) or exact or opt._clip_call_warned:
         return
     opt._clip_call_warned = True
+    if not two:
+        log.warning(
+            "%s(max_norm=%s, norm_type=%s) does nothing with %s: the update was applied inside backward, and no .grad "
+            "is left to clip (it returns 0). FORGE clips by the global 2-norm only (its max_grad_norm); to clip by the "
+            "%s-norm, train with a torch optimizer.", caller, max_norm, norm_type, type(opt).__name__, norm_type)
+        return
     log.warning(
         "%s(max_norm=%s) does nothing with %s: the update was applied inside backward, and no .grad is left to clip "
         "(it returns 0). Construct the optimizer with max_grad_norm=%s (exact clipping, before any update) instead; "
         "optimizer.last_grad_norm holds the measured norm.", caller, max_norm, type(opt).__name__, max_norm)
 
 
+def _norm_type(args: tuple, kwargs: dict) -> Any:
+    """The ``norm_type`` of a ``clip_grad_norm_(parameters, max_norm, norm_type=2.0, ...)`` call."""
+    return args[0] if args else kwargs.get("norm_type", 2.0)
+
+
 def _measured_norm(opt: Any, parameters: list, max_norm: float, args: tuple, kwargs: dict) -> float | None:
     """The 2-norm ``opt`` measured this step, where it clips exactly at ``max_norm`` over every trainable one of
     ``parameters``; else None."""
-    norm_type = args[0] if args else kwargs.get("norm_type", 2.0)
-    if (float(norm_type) != 2.0 or not opt.max_grad_norm or opt.max_grad_norm != max_norm or opt.clip == "previous"
-            or opt.last_grad_norm is None or not opt._is_sync()):  # (a non-sync micro-batch's sum is in .grad)
+    if (float(_norm_type(args, kwargs)) != 2.0 or not opt.max_grad_norm or opt.max_grad_norm != max_norm
+            or opt.clip == "previous" or opt.last_grad_norm is None
+            or not opt._is_sync()):  # (a non-sync micro-batch's sum is in .grad)
         return None
     if {p for p in parameters if p.requires_grad} != {p for p in opt._group_index if p.requires_grad}:
         return None  # a part of the model: FORGE's norm is over all of it
@@ -387,9 +399,11 @@ def _hook_torch_clip() -> None:
     def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
         measured = None
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        for opt in _forge_owners(parameters):  # (the warning is said inside, by _clip_grads_with_norm_ below)
-            if measured is None:
+        for opt in _forge_owners(parameters):  # (the warning is said inside, by _clip_grads_with_norm_ below,
+            if measured is None:  # which does not see the norm type: a norm other than 2 is warned about here)
                 measured = _measured_norm(opt, parameters, max_norm, args, kwargs)
+            if float(_norm_type(args, kwargs)) != 2.0:
+                _warn_clip_does_nothing(opt, max_norm, "torch.nn.utils.clip_grad_norm_", _norm_type(args, kwargs))
         total = original(parameters, max_norm, *args, **kwargs)
         # the optimizer clipped exactly at this norm in backward: the call's usual result is the norm it measured
         # (the loop that logs it would log 0: no .grad is left)

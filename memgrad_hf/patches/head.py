@@ -17,7 +17,6 @@ How it works, without a hand-copied forward per model:
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import types
@@ -33,6 +32,7 @@ from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.functional import check_chunk_size, linear_cross_entropy
 from memgrad_hf.kernels import head as K
 from memgrad_hf.patches.probe import Chain, LogitsProbe
+from memgrad_hf.patches.unwrap import present_as_forward
 
 _ATTR = "_memgrad_head"
 logger = logging.getLogger(__name__)
@@ -620,12 +620,11 @@ def patch_head(model: nn.Module, *, chunk_size: int | None = None, accum_dtype: 
     sig = inspect.signature(type(model).forward)
     sig = sig.replace(parameters=list(sig.parameters.values())[1:])  # drop self
     setattr(model, _ATTR, HeadPatch(chunk_size, accum_dtype, original, had, sig, grad_in_forward=grad_in_forward))
-    # A method bound to the model (not a closure) so that copy.deepcopy(model) rebinds it to the copy;
-    # __wrapped__ keeps inspect.signature == the class's (generate() and the Trainer inspect it).
+    # A method bound to the model (not a closure) so that copy.deepcopy(model) rebinds it to the copy
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _patched_forward(self, *args, **kwargs)
 
-    functools.update_wrapper(forward, type(model).forward)
+    present_as_forward(forward, model)
     forward._memgrad_head = True  # type: ignore[attr-defined]
     model.forward = types.MethodType(forward, model)
 

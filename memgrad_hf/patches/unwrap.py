@@ -1,6 +1,11 @@
-"""The transformers model under a wrapper: what every patch and loader works on."""
+"""The transformers model under a wrapper (what every patch and loader works on), and memgrad's own wrappers of a
+model's ``forward``."""
 
 from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
 
 from torch import nn
 
@@ -16,3 +21,16 @@ def base_model(model: nn.Module) -> nn.Module:
     if callable(get_base) and type(model).__module__.startswith("peft"):
         return get_base()
     return model
+
+
+def present_as_forward(wrapper: Any, model: nn.Module) -> None:
+    """Give ``wrapper`` (a function to bind to ``model`` as its instance ``forward``) the class forward's name, doc and
+    signature, so that ``inspect.signature(model.forward)`` is the class's (``generate()`` and the Trainer's column
+    dropping read it). Not through ``__wrapped__``: ``Accelerator.unwrap_model(keep_fp32_wrapper=False)`` follows
+    ``__wrapped__`` down from the forward it finds and stops only at the one it saved before its autocast wrapper,
+    which is bound and so never equal to a function: given a ``__wrapped__``, it walked past memgrad's wrapper to
+    the class's forward and dropped it (the chunked head and FORGE's exact clipping were lost without a word)."""
+    cls_forward = type(model).forward
+    functools.update_wrapper(wrapper, cls_forward, updated=())
+    del wrapper.__wrapped__
+    wrapper.__signature__ = inspect.signature(cls_forward)

@@ -2,6 +2,7 @@
 optimizer's life around Trainer.train(), and what it refuses. Each case against torch.optim (fp32)."""
 
 import copy
+import inspect
 import logging
 
 import pytest
@@ -10,6 +11,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 import memgrad_hf  # noqa: F401  (registers forge_*)
+from memgrad_hf import patch_model
 from memgrad_hf.optim import ForgeAdamW, ForgeSGD
 from tests.optim.test_forge_trainer import _args, _assert_weights_close, _train
 from tests.test_trainer_integration import _data
@@ -147,6 +149,51 @@ def test_a_use_outside_its_layer_seen_only_at_the_hook_is_warned_about_and_exact
     for step in (1, 2):
         _step_both(model, opt, ref, ref_opt, lambda m, s=step: loss_of(m, s))
     _assert_weights_close(model, ref)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05], ids=["no_clip", "exact_clip"])
+def test_a_use_outside_its_layer_added_after_the_first_step_is_warned_once_and_summed_from_then_on(max_grad_norm,
+                                                                                                   caplog):
+    # the graph is walked at the first backward only: a penalty switched on later (after warmup) is found at the hook,
+    # its step applies two updates (exact for plain SGD without clipping), and the replay of the norm pass applied
+    # the second part as "a second backward", a false warning
+    def loss_of(m, step):
+        return m(*_batch(step)) + (0.1 * m.out.weight.square().sum() if step >= 2 else 0.0)
+
+    model, ref = _SharedNet(), _SharedNet()
+    opt = ForgeSGD(model.parameters(), model=model, lr=0.1, max_grad_norm=max_grad_norm)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+        for step in range(4):
+            _step_both(model, opt, ref, ref_opt, lambda m, s=step: loss_of(m, s), max_grad_norm, via_opt=True)
+    assert caplog.text.count("out.weight is also used outside its layer") == 1
+    assert "second backward" not in caplog.text
+    assert model.out.weight in opt._shared  # from the step after on: summed by autograd, one update
+    if not max_grad_norm:
+        _assert_weights_close(model, ref)
+
+
+def test_accelerate_unwrap_without_the_fp32_wrapper_keeps_memgrads_forward(caplog):
+    # unwrap_model(keep_fp32_wrapper=False) follows __wrapped__ down to the class's forward: memgrad's wrappers
+    # carried one, so the chunked head (full logits again) and FORGE's clipping root were silently dropped
+    from accelerate import Accelerator
+
+    model = tiny_model("llama")
+    patch_model(model)
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=0.5)
+    model, opt = acc.prepare(model, opt)
+    ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(0))
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    plain = acc.unwrap_model(model, keep_fp32_wrapper=False)
+    out = plain(input_ids=ids, labels=ids)
+    assert out.logits is None  # the chunked head: no [tokens x vocab] logits in a training forward
+    out.loss.backward()  # exact clipping needs the loss to come from model(...): it still does
+    opt.step()
+    assert opt.optimizer.last_grad_norm > 0
+    assert inspect.signature(plain.forward) == inspect.signature(type(plain).forward.__get__(plain))
+    opt.optimizer.detach()
 
 
 @pytest.mark.parametrize("max_grad_norm", [0.0, 0.5], ids=["no_clip", "exact_clip"])
@@ -945,7 +992,7 @@ def test_a_sparse_embedding_is_refused_at_construction(opt_cls):
     opt.detach()
 
 
-def test_clip_grad_norm_at_the_optimizers_norm_returns_the_norm_it_measured():
+def test_clip_grad_norm_at_the_optimizers_norm_returns_the_norm_it_measured(caplog):
     # the recommended loop (the optimizer clips at max_grad_norm, the loop keeps its clip call to log the norm)
     # logged 0.0 at every step: no .grad is left after backward
     model, opt, acc, ref, ref_opt = _accelerate_pair(max_grad_norm=1.0)
@@ -961,8 +1008,10 @@ def test_clip_grad_norm_at_the_optimizers_norm_returns_the_norm_it_measured():
         ref_opt.zero_grad()
         for g in got:
             assert g.item() == pytest.approx(want.item(), rel=1e-5), step
-        inf = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"))
-        assert inf.item() == 0.0  # another norm than the one measured: the usual result (no .grad)
+        with caplog.at_level(logging.WARNING, logger="memgrad_hf.forge"):
+            inf = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"))
+        assert inf.item() == 0.0  # another norm than the one measured: the usual result (no .grad), said once
+        assert caplog.text.count("norm_type=inf) does nothing") == 1, caplog.text
         head = torch.nn.utils.clip_grad_norm_(model.lm_head.parameters(), 1.0)
         assert head.item() == 0.0  # a part of the model: not FORGE's norm, which is over all of it
     opt.optimizer.detach()
