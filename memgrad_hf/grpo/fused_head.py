@@ -8,7 +8,6 @@ logits on any device (TRL's CPU fallback builds several full ``[tokens x vocab]`
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import types
@@ -21,7 +20,7 @@ from memgrad_hf.errors import UnsupportedModelError
 from memgrad_hf.functional import linear_logprobs
 from memgrad_hf.patches.head import capture_head_input, head_operands, head_patch, head_weight_consumer
 from memgrad_hf.patches.probe import LogitsProbe
-from memgrad_hf.patches.unwrap import base_model
+from memgrad_hf.patches.unwrap import base_model, present_as_forward
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,6 @@ def add_fused_lm_head(
     want_entropy = "entropy" in outputs
     want_diag = [o for o in ("log_sum_sq_probs", "mean_logits", "is_top1") if o in outputs]
 
-    @functools.wraps(type(model).forward)
     def forward(self: Any, *args: Any, fused_lm_head: bool = False, labels: Any = None, shift_labels: Any = None,
                 num_items_in_batch: Any = None, **kwargs: Any) -> Any:
         if not fused_lm_head:
@@ -141,6 +139,7 @@ def add_fused_lm_head(
         return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss,
                                    **extra)
 
+    present_as_forward(forward, model)
     model.forward = types.MethodType(forward, model)
 
 
