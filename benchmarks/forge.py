@@ -86,8 +86,10 @@ CONFIGS = {
     "forge_lion+8bit_state+compile": dict(optim="forge_lion", optim_args="state_dtype=8bit", torch_compile=True),
     "forge_lion+8bit_state+split+compile": dict(optim="forge_lion", optim_args="state_dtype=8bit,kernel=split",
                                                 torch_compile=True),
-    # the same with the Trainer's default clipping (exact, by replay), and with the replay's updates launched grouped
-    # (MEMGRAD_FORGE_GROUPED=1 for that run only: it changes nothing without clipping)
+    # MEMGRAD_FORGE_GROUPED=1 for the run (experimental): without clipping the norms' and biases' updates go out in one
+    # launch as each backward ends; with the Trainer's default clipping (exact, by replay), the replay's updates too
+    "forge_lion+8bit_state+split+compile+grouped": dict(
+        optim="forge_lion", optim_args="state_dtype=8bit,kernel=split", torch_compile=True, grouped=True),
     "forge_lion+8bit_state+split+compile+clip": dict(optim="forge_lion", optim_args="state_dtype=8bit,kernel=split",
                                                      torch_compile=True, max_grad_norm=1.0),
     "forge_lion+8bit_state+split+compile+clip+grouped": dict(

@@ -64,11 +64,14 @@ raise SystemExit(len(g.FAILED))" 2>&1 | tee "$out/checks.md" || status=1 ;;
       # configuration without clipping (the benchmark's max_grad_norm=0 unless a configuration sets it): compiled
       # forge_lion 8-bit 1.13x adamw_torch_fused (split) / 1.40x (fused), device time 17.1 ms against stock's 19.2 in
       # a host-bound step, memgrad::forge_linear_backward 212 µs of host time per call. Its "grouped" call was
-      # therefore the same code as the first (grouping changes exact clipping's replay only; 1.40x there: another
-      # machine). Here: the compiled kernels' checks (the one-tensor kernel's signature changed after run I), run I's
-      # pair again (no clipping) on this machine, then the Trainer's default clipping on both sides, FORGE's replay
-      # with one launch per tensor and grouped, in one process; then where a step's host time goes (cProfile of one
-      # compiled step without clipping, Triton's launcher included). Each step under its own limit (s).
+      # therefore the same code as the first (grouping then changed exact clipping's replay only; 1.40x there:
+      # another machine). Here: the compiled kernels' checks (the one-tensor kernel's signature changed after run I;
+      # the direct launch, new, against Triton's binding), host µs per launch both ways, run I's pair again (no
+      # clipping) plus grouped small updates (MEMGRAD_FORGE_GROUPED=1 now groups the norms' updates without
+      # clipping too), then the Trainer's default clipping on both sides, FORGE's replay with one launch per tensor
+      # and grouped, in one process; then where a step's host time goes (cProfile of one compiled step without
+      # clipping, Triton's launcher included). Each step under its own limit (s); ~9.5 minutes if every one runs
+      # to its limit.
       timeout -k 5 50 python tests/optim/_triton_twin_check.py cuda 2>&1 | tee "$out/checks.md" || status=1
       timeout -k 5 60 python tests/optim/_triton_group_check.py cuda 2>&1 | tee -a "$out/checks.md" || status=1
       # (the head kernels' -inf-logit and NaN-row fixes of 2026-11-28, compiled; the twin check above has fp16 weights)
@@ -76,9 +79,10 @@ raise SystemExit(len(g.FAILED))" 2>&1 | tee "$out/checks.md" || status=1 ;;
       # host µs per FORGE launch with triton_launch's direct launch (new) and with Triton's binding, a tiny layer
       timeout -k 5 30 python -m benchmarks.forge_launch --out 256 --in 256 --tokens 64 --calls 300 2>&1 \
         | tee "$out/forge-launch.md" || status=1
-      timeout -k 5 120 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
+      timeout -k 5 170 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 8 --repeats 1 --in-process-memory --configs adamw_torch_fused \
-        forge_lion+8bit_state+split+compile 2>&1 | tee "$out/forge-noclip.md" || status=1
+        forge_lion+8bit_state+split+compile forge_lion+8bit_state+split+compile+grouped 2>&1 \
+        | tee "$out/forge-noclip.md" || status=1
       timeout -k 5 170 python -m benchmarks.forge --device cuda --bf16 --hidden 2048 --layers 16 --vocab 32000 \
         --batch 1 --seq 1024 --steps 8 --repeats 1 --in-process-memory --configs adamw_torch_fused+clip \
         forge_lion+8bit_state+split+compile+clip forge_lion+8bit_state+split+compile+clip+grouped 2>&1 \

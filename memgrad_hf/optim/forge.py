@@ -66,6 +66,9 @@ _HOLD_MAX_BYTES = 36 << 20
 # split, 1.37x fused; at 2048 x 2048 (a ~1B model, host-bound at batch 1) the fused kernel's one launch is cheaper.
 _SPLIT_MIN_NUMEL = 4096 * 4096
 _MIN_8BIT_NUMEL = 4096  # smaller tensors keep fp32 state under state_dtype="8bit"
+# MEMGRAD_FORGE_GROUPED=1: hooked tensors up to this size (norms' gains, biases) are updated together when the
+# backward ends, one grouped launch instead of one each (~33 launches per step at ~1B); their gradients stay that long
+_GROUPED_NUMEL = 1 << 16
 _NO_CONTEXT = contextlib.nullcontext()
 _FORWARD_KEYS = itertools.count()  # one __dict__ key per model forward wrapper (_wrap_model_forward)
 
@@ -204,7 +207,8 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._outside: dict[Tensor, Tensor | None] = {}  # trainable parameters outside the groups (_begin_norm)
         self._stash_counted: set[Tensor] = set()
         self._replays: list[Any] | None = None  # clip_pass="replay": the updates recorded during the norm pass
-        self._grouped: list[tuple] | None = None  # the replay's updates set aside for one grouped launch (_update)
+        self._grouped: list[tuple] | None = None  # updates set aside for one grouped launch (_update)
+        self._groups_small = False  # (set aside: those of small hooked tensors too, in a backward whose end launches)
         # inside a compiled graph's operator: its tensor arguments are the graph's buffers, which inductor reuses
         # (or donates) once the operator returns, so a recorded update must keep copies (memgrad_hf.optim.forge_ops)
         self._borrowed_inputs = False
@@ -512,7 +516,8 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         if not self._solo_checked:
             self._refuse_distributed()
         impl = self._update_impl(target, g)
-        if held and self._grouped is not None and impl is not K.update_step:
+        if (self._grouped is not None and impl is not K.update_step
+                and (held or (self._groups_small and target.numel() <= _GROUPED_NUMEL))):
             self._grouped.append((target, g, st, hp, step, seed, offset, coef))
             return
         with torch.no_grad():
@@ -521,9 +526,12 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                  chunk_elems=max(self._tile_bytes(p) // 4, 1), sums=self._sums(target.device))
 
     def _launch_grouped(self) -> None:
-        """The updates :meth:`_update` set aside during an exact-clipping replay: one grouped Triton launch per kind
-        of tensor (per device and clip coefficient, which one step shares)."""
+        """The updates :meth:`_update` set aside during an exact-clipping replay, or a backward's small hooked
+        tensors: one grouped Triton launch per kind of tensor (per device and clip coefficient, which one step
+        shares)."""
         from memgrad_hf.kernels import forge_triton
+
+        self._groups_small = False
 
         batches: dict[tuple[torch.device, float], list] = {}
         for *item, coef in self._grouped or ():
@@ -878,7 +886,8 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         """The updates already happened in backward; this closes the step (bookkeeping, logging)."""
-        self._note_grouping_scope()
+        if self._grouped:  # (a backward that raised before its end launched them)
+            self._launch_grouped()
         if self._applied and self._hp_used is not None:
             self._warn_late_hyperparameters()
         self._hp_used = None

@@ -238,17 +238,12 @@ class ExactClipping:
         finally:
             self._grouped = None
 
-    def _note_grouping_scope(self) -> None:
-        """``MEMGRAD_FORGE_GROUPED=1`` groups the launches of exact clipping's replay only: said once per optimizer
-        where this one never replays, rather than letting a timing with and without it compare the same code."""
-        if not grouped_replay() or getattr(self, "_grouping_noted", False):
-            return
-        if not (self.needs_norm_pass and self.clip_pass != "backward"):
-            self._grouping_noted = True
-            log.warning("forge: MEMGRAD_FORGE_GROUPED=1 groups the updates of exact clipping's replay (max_grad_norm "
-                        "> 0, clip=exact, clip_pass=auto|replay); with max_grad_norm=%s, clip=%s, clip_pass=%s this "
-                        "optimizer updates inside each layer's backward, and the variable has no effect.",
-                        self.max_grad_norm, self.clip, self.clip_pass)
+    def _begin_grouping(self) -> None:
+        """At the start of the loss's backward, with ``MEMGRAD_FORGE_GROUPED=1``: the updates of small hooked tensors
+        (norms' gains, biases) wait for its end and go out in one grouped launch (:meth:`_launch_grouped`), where
+        they would be one launch each. Not in a norm pass (its replay groups its own)."""
+        if grouped_replay() and self._mode == "apply" and self._grouped is None:
+            self._grouped, self._groups_small = [], True
 
     def _may_keep(self, weight: Tensor) -> bool:
         """Whether a recording norm pass may keep this weight's gradient tiles until the replay: when they fit in
@@ -310,7 +305,8 @@ class ExactClipping:
 
 
 def grouped_replay() -> bool:
-    """Whether ``MEMGRAD_FORGE_GROUPED=1`` (experimental, off by default) asks for grouped replay launches."""
+    """Whether ``MEMGRAD_FORGE_GROUPED=1`` (experimental, off by default) asks for grouped launches: exact clipping's
+    replay, and small hooked tensors in a backward (:meth:`ExactClipping._begin_grouping`)."""
     return os.environ.get("MEMGRAD_FORGE_GROUPED", "0").strip() == "1"
 
 

@@ -33,7 +33,10 @@ class UseTracking:
         stay in ``.grad``, as torch leaves them, and join this backward's)."""
         if self._root_task == task:  # (a loss wrapped twice)
             return
+        if self._grouped:  # (left by a backward that raised before its end launched them)
+            self._launch_grouped()
         self._root_task, self._deferred = task, {}
+        self._begin_grouping()
         # A parameter used inside a reentrant checkpointed segment and also outside it (a penalty in the loss) gets
         # one part in this backward and one in the segment's: neither comes first reliably, so all wait
         self._defer_all = self._reentrant_checkpointing()
@@ -49,6 +52,8 @@ class UseTracking:
         self._segment_seen.clear()  # this forward's segments are back-propagated: the next forward counts anew
         for p in deferred:
             self._on_grad(p)
+        if self._groups_small:
+            self._launch_grouped()
 
     def _pending(self, weight: Tensor) -> bool:
         """Whether the weight's latest use (its layer's autograd node, or the chunked head's consumer of its gradient)

@@ -63,10 +63,12 @@ def _weights_match(a: torch.Tensor, b: torch.Tensor, before: torch.Tensor) -> bo
     return bool(((a - b).abs() <= tol).all())
 
 
-def check_replay_launches_grouped() -> bool:
-    """In training: FORGE's exact-clipping replay hands the updates of its kept tiles and hooked parameters to one
-    ``update_many`` call per step (one launch per kind of tensor), and the weights equal ``torch.optim.AdamW`` +
-    ``clip_grad_norm_`` (3 plain-loop steps of a tiny Llama, fp32, every step clipping)."""
+def check_training_launches_grouped(max_grad_norm: float) -> bool:
+    """In training, with ``MEMGRAD_FORGE_GROUPED=1``: FORGE's exact-clipping replay (``max_grad_norm > 0``) hands the
+    updates of its kept tiles and hooked parameters to one ``update_many`` call per step (one launch per kind of
+    tensor); without clipping, the backward's small hooked tensors (norms' gains; the tiny embedding's rows) go out
+    together when it ends. The weights equal ``torch.optim.AdamW`` (+ ``clip_grad_norm_``) after 3 plain-loop steps
+    of a tiny Llama, fp32, every step clipping where it clips."""
     import os
 
     from memgrad_hf.optim import ForgeAdamW
@@ -94,14 +96,15 @@ def check_replay_launches_grouped() -> bool:
         torch.manual_seed(0)
         model = tiny_model("llama").to(DEV)
         ref = copy.deepcopy(model)
-        opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, weight_decay=0.1, max_grad_norm=0.05)
+        opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         for step in range(3):
             ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(step)).to(DEV)
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             ref(input_ids=ids, labels=ids).loss.backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            if max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
             ref_opt.step()
             ref_opt.zero_grad()
     finally:
@@ -111,16 +114,21 @@ def check_replay_launches_grouped() -> bool:
         os.environ.pop("MEMGRAD_FORGE_GROUPED", None)
     err = max(((p - q).norm() / q.norm()).item() for p, q in zip(model.parameters(), ref.parameters(), strict=True))
     n_params = sum(1 for _ in model.parameters())
-    # all but the embedding (its replay walks row blocks it makes itself: launched one by one)
-    ok = err < 1e-5 and len(calls["update_many"]) == 3 and min(calls["update_many"]) == n_params - 1
-    print(f"{'ok' if ok else 'FAILED'} replay: grouped items per step {calls['update_many']} of {n_params} parameters, "
-          f"{calls['update_step']} single launches, weights vs torch.optim.AdamW + clip_grad_norm_ {err:.1e}")
+    if max_grad_norm:  # all but the embedding (its replay walks row blocks it makes itself: launched one by one)
+        want = n_params - 1
+    else:  # the hooked ones (norms) and the fused embedding's rows: linear weights update inside their layer
+        want = sum(1 for p in model.parameters() if p.dim() == 1) + 1
+    ok = err < 1e-5 and calls["update_many"] == [want] * 3 and (max_grad_norm or calls["update_step"] == 0)
+    print(f"{'ok' if ok else 'FAILED'} {'replay' if max_grad_norm else 'no clipping'}: grouped items per step "
+          f"{calls['update_many']} of {n_params} parameters, {calls['update_step']} single launches, weights vs "
+          f"torch.optim.AdamW{' + clip_grad_norm_' if max_grad_norm else ''} {err:.1e}")
     return ok
 
 
 def main() -> int:
     worst = 0.0
-    failed = [] if check_replay_launches_grouped() else ["replay"]
+    failed = [what for what, clip in (("replay", 0.05), ("no clipping", 0.0))
+              if not check_training_launches_grouped(clip)]
     for rule in ("adamw", "lion", "sgd_momentum", "sgd"):
         for w_dtype, kind, sr in ((torch.float32, "fp32", False), (torch.bfloat16, "bf16", True),
                                   (torch.bfloat16, "8bit", False), (torch.float32, "8bit", True)):

@@ -851,22 +851,3 @@ def test_the_default_exact_clipping_is_not_warned_about_and_clip_previous_is(tmp
             Trainer.get_optimizer_cls_and_kwargs(args, model)
             assert ("applied approximately" in caplog.text) == (optim_args is not None), caplog.text
     assert "applied exactly" not in caplog.text
-
-
-def test_grouped_replay_variable_says_when_it_has_no_effect(monkeypatch, caplog):
-    # MEMGRAD_FORGE_GROUPED=1 only changes exact clipping's replay: a run without it (max_grad_norm=0) is told so once,
-    # not left to time the same code twice (run I's "grouped" timing had no clipping)
-    monkeypatch.setenv("MEMGRAD_FORGE_GROUPED", "1")
-    ids = torch.randint(1, 100, (2, 8))
-    said = []
-    for max_grad_norm in (0.0, 1.0):
-        model = tiny_model("llama")
-        opt = ForgeAdamW(model.parameters(), model=model, lr=1e-3, max_grad_norm=max_grad_norm)
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="memgrad_hf.forge"):
-            for _ in range(2):
-                model(input_ids=ids, labels=ids).loss.backward()
-                opt.step()
-        said.append(sum("MEMGRAD_FORGE_GROUPED=1" in r.getMessage() for r in caplog.records))
-        opt.detach()
-    assert said == [1, 0]
