@@ -41,6 +41,7 @@ from memgrad_hf.optim.forge_checks import (
     note_low_precision_weights,
     parse_state_dtype,
     refuse_distributed,
+    refuse_offloaded,
     refuse_sparse_gradients,
 )
 from memgrad_hf.optim.forge_clip import ExactClipping, LossRoot, allow_retained_compiled_backward
@@ -186,6 +187,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         super().__init__(params, defaults)
         note_low_precision_weights(self.param_groups, state_dtype)
         refuse_sparse_gradients(type(self).__name__, model, {p for g in self.param_groups for p in g["params"]})
+        refuse_offloaded(type(self).__name__, [p for g in self.param_groups for p in g["params"]])
         note_gradient_readers(model)
         self.model = model
         self.max_grad_norm = float(max_grad_norm)

@@ -91,6 +91,20 @@ def refuse_sparse_gradients(owner: str, model: nn.Module, params: set[nn.Paramet
                 "for it).")
 
 
+def refuse_offloaded(owner: str, params: list[nn.Parameter]) -> None:
+    """Parameters on the meta device: offloaded by accelerate (``device_map`` with CPU/disk offload, ``cpu_offload``,
+    ``disk_offload``), whose hook loads each one into a temporary tensor for every forward. Their gradient and update
+    would go to that copy and be lost (torch.optim loses them the same way; the Trainer refuses such a model)."""
+    n = sum(1 for p in params if p.requires_grad and p.is_meta)
+    if n:
+        raise ValueError(
+            f"{owner}: {n} trainable parameters are on the meta device (offloaded by accelerate: device_map with CPU "
+            "or disk offload, cpu_offload, disk_offload; or created under init_empty_weights and never loaded). "
+            "Each forward loads an offloaded weight into a temporary copy, so its gradient and update would be lost. "
+            "Load the model with every trainable weight in memory (device_map without offload, or a smaller model / "
+            "LoRA), or freeze the offloaded part.")
+
+
 def refuse_distributed(model: nn.Module) -> None:
     wrapped = type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") or any(
         type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") for m in model.modules()

@@ -13,6 +13,7 @@ from memgrad_hf.engine import REUSED_PER_FORWARD
 from memgrad_hf.optim.fused_linear import ForgeEmbeddingFunction, ForgeLinearFunction
 
 _ATTR = "_memgrad_forge"
+_SAVED_FORWARD = "_memgrad_forge_hooked_forward"  # the forward accelerate's hook called before the swap
 
 
 _FP16_AUTOCAST = (
@@ -112,12 +113,24 @@ def swap_layers(model: nn.Module, optimizer: Any, weights: set[int]) -> list[nn.
             continue
         if id(module.weight) not in weights or getattr(module, REUSED_PER_FORWARD, False):
             continue
-        if "forward" in module.__dict__ and not hasattr(module, _ATTR):
+        hooked = _accelerate_hooked(module)
+        if "forward" in module.__dict__ and not hasattr(module, _ATTR) and not hooked:
             continue  # someone else (e.g. the chunked head capture) owns this forward right now
         setattr(module, _ATTR, weakref.ref(optimizer))
-        module.forward = types.MethodType(fwd, module)
+        if hooked:
+            # accelerate's hook (device placement under a device_map) calls module._old_forward between its pre- and
+            # post-forward: the fused forward goes there, inside the hook, which stays
+            module.__dict__.setdefault(_SAVED_FORWARD, module.__dict__["_old_forward"])
+            module._old_forward = types.MethodType(fwd, module)
+        else:
+            module.forward = types.MethodType(fwd, module)
         swapped.append(module)
     return swapped
+
+
+def _accelerate_hooked(module: nn.Module) -> bool:
+    """Whether accelerate's ``add_hook_to_module`` wraps ``module.forward`` (its forward kept as ``_old_forward``)."""
+    return "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__
 
 
 def restore_layers(modules: list[nn.Module]) -> None:
@@ -125,4 +138,8 @@ def restore_layers(modules: list[nn.Module]) -> None:
     for module in modules:
         if hasattr(module, _ATTR):
             delattr(module, _ATTR)
-            module.__dict__.pop("forward", None)
+            saved = module.__dict__.pop(_SAVED_FORWARD, None)
+            if saved is not None and "_old_forward" in module.__dict__:  # (still under accelerate's hook)
+                module._old_forward = saved
+            else:  # (ours, or the hook was removed since: it put our forward back as the module's)
+                module.__dict__.pop("forward", None)

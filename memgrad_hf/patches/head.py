@@ -689,9 +689,11 @@ def head_patch(model: nn.Module) -> HeadPatch | None:
     if _forward_lost(model):
         if not patch.lost_warned:
             patch.lost_warned = True
-            logger.warning("%s was pickled and loaded again (torch.save(model), multiprocessing): pickling keeps "
-                           "the weights but not memgrad's forward, so it computes full logits. Call "
-                           "memgrad_hf.patch_model(model) again after loading (or save with save_pretrained).",
+            logger.warning("%s has its class's forward back although it was patched: it was pickled and loaded "
+                           "again (torch.save(model), multiprocessing: pickling keeps the weights but not memgrad's "
+                           "forward), or a hook put its saved forward back (accelerate's remove_hook_from_module "
+                           "after dispatch_model). It computes full logits now. Call memgrad_hf.patch_model(model) "
+                           "again (after loading, or after removing the hooks; or save with save_pretrained).",
                            type(model).__name__)
         return None
     return patch
@@ -699,7 +701,8 @@ def head_patch(model: nn.Module) -> HeadPatch | None:
 
 def _forward_lost(model: nn.Module) -> bool:
     """The model's forward is its class's own again although it was patched: pickling stores a bound method by name,
-    so an unpickled model gets the class's ``forward`` back while keeping the patch's bookkeeping."""
+    so an unpickled model gets the class's ``forward`` back while keeping the patch's bookkeeping (and accelerate's
+    ``remove_hook_from_module`` puts back the forward it saved under its hook: the class's, where it hooked first)."""
     return getattr(model.__dict__.get("forward"), "__func__", None) is type(model).forward
 
 

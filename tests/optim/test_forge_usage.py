@@ -1231,3 +1231,49 @@ def test_a_second_clipped_backward_before_step_is_warned_about(caplog):
     assert "second backward with exact clipping" in caplog.text and "sync = False" in caplog.text
     opt.step()
     opt.detach()
+
+
+def test_layers_under_accelerates_dispatch_hooks_are_fused_and_exact():
+    # device_map over several devices puts accelerate's hook on every module with weights: the fused forward was
+    # skipped there (an instance forward: "someone else owns it"), every weight fell back to the hook path unsaid
+    from accelerate import dispatch_model
+    from accelerate.hooks import remove_hook_from_module
+
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    device_map = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
+                  "lm_head": "cpu"}
+    model = dispatch_model(model, device_map=device_map, force_hooks=True)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    linears = [m for m in model.modules() if type(m) in (nn.Linear, nn.Embedding)]
+    assert all(hasattr(m, "_hf_hook") for m in linears)
+    assert all(hasattr(m, "_memgrad_forge") for m in linears)
+    for step in range(3):
+        if step == 2:  # the hooks removed under an attached optimizer: the fused forward stays the module's
+            remove_hook_from_module(model, recurse=True)
+        ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+        assert all(p.grad is None for m in linears for p in m.parameters())  # updated inside backward
+    _assert_weights_close(model, ref)
+    opt.detach()
+    assert not any("forward" in m.__dict__ or hasattr(m, "_memgrad_forge") for m in linears)
+    # and detached while the hooks are on: accelerate's hook calls the module's own forward again
+    model = dispatch_model(tiny_model("llama"), device_map=device_map, force_hooks=True)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    opt.detach()
+    proj = model.model.layers[0].self_attn.q_proj
+    assert proj._old_forward.__func__ is nn.Linear.forward and not hasattr(proj, "_memgrad_forge")
+
+
+def test_offloaded_parameters_are_refused():
+    # cpu_offload / disk offload keep weights on the meta device and load a temporary copy per forward: the update
+    # went to the copy, training changed nothing and the logged norm was 0, unsaid
+    from accelerate import cpu_offload
+
+    model = cpu_offload(tiny_model("llama"))
+    with pytest.raises(ValueError, match="meta device"):
+        ForgeAdamW(model.parameters(), model=model, lr=1e-2)
