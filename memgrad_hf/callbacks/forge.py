@@ -42,7 +42,7 @@ class ForgeLogCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         opt = forge_optimizer_of(optimizer)
         if opt is not None:
-            opt.begin_trainer(float(args.max_grad_norm or 0.0))
+            opt.begin_trainer(float(args.max_grad_norm or 0.0), model)
             late = sorted({type(c).__name__ for c in self.others if _acts_after_backward(c)})
             if late:
                 log.warning(

@@ -247,6 +247,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._segment_hooks: list[Any] = []
         self._in_layer: set[Tensor] = set()  # fused weights whose layer back-propagated since the last step()
         self._applied: set[Tensor] = set()  # updated since the last step(): a second update there is warned about
+        self._unclipped: set[Tensor] = set()  # trained, but outside the Trainer's model: not clipped (begin_trainer)
         self._second_parts: set[Tensor] = set()  # a use outside the layer found this step: one more update expected
         self._warned_twice = False
         self._warned_nosync = False
@@ -386,7 +387,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         return self.state_dtype
 
 
-    def begin_trainer(self, max_grad_norm: float) -> None:
+    def begin_trainer(self, max_grad_norm: float, model: nn.Module | None = None) -> None:
         """Called when a ``Trainer`` starts training with this optimizer. One the Trainer built (``--optim
         forge_*``) clips at the Trainer's ``max_grad_norm`` as it is now, as the Trainer clips its own optimizers
         (a value changed between two ``train()`` calls applies). One given to it ready-made keeps its own norm, and
@@ -414,12 +415,19 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         # attempt that auto_find_batch_size retries, alive until collected): a second use it is not
         self._last_use.clear()
         self._compiled_uses.clear()
+        # the Trainer clips clip_grad_norm_(model.parameters()): parameters this optimizer trains outside its model
+        # (sentence-transformers' SoftmaxLoss keeps a classifier in the loss module) are neither in the norm nor
+        # clipped there, so not here either
+        scope = None if model is None else set(model.parameters())
+        self._unclipped = set() if scope is None else {p for g in self.param_groups for p in g["params"]
+                                                       if p not in scope}
         self.attach()
 
     def end_trainer(self) -> None:
         """``Trainer.train()`` ended (or stopped): detach, and hand a ready-made optimizer back to hand-written use
         with its own ``max_grad_norm``."""
         self.detach()
+        self._unclipped = set()
         if getattr(self, "_managed_by_trainer_call", False):
             self._trainer_managed = self._managed_by_trainer_call = False
             self.max_grad_norm = self._own_max_grad_norm
@@ -503,7 +511,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
     def _apply(self, p: Tensor, g: Tensor, held: bool = False) -> None:
         """Update a hooked (non-fused) parameter from its complete gradient, then the gradient is dropped."""
         hp, st = self._hp(p), self._state(p)
-        coef = self._clip_coef()
+        coef = self._clip_coef(p)
         self._note_update(p)
         step = _next_step(st)
         self._update(p, p.data, g, _rule_state(st), hp, step, coef, _noise_seed(self._group_index_pos[p], step), 0,
@@ -608,26 +616,26 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             # weight, and the Grams' norm of the unrounded product moved the clip coefficient by ~1e-4
             gram = (acc is None and dy.dtype == weight.dtype
                     and K.gram_pays(dy.shape[0], dy.shape[1], x.shape[1]))
-            if gram:
+            if gram and weight not in self._unclipped:
                 self._norm_sq += K.linear_grad_norm_sq(dy, x)
             if self._replays is not None and self._may_keep(weight):
                 # the tiles stay for the replay (no second dW GEMM): memory the step has already used
                 kept = []
                 for r0, r1, tile in K.linear_weight_tiles(dy, x, rows, None, weight.dtype):
                     if not gram:
-                        self._measure(tile if acc is None else tile + acc[r0:r1])
+                        self._measure(tile if acc is None else tile + acc[r0:r1], weight)
                     kept.append((r0, r1, tile))
                 self._record(self._apply_tiles, weight, kept)
                 return
             if not gram:
                 for _, _, tile in K.linear_weight_tiles(dy, x, rows, acc, weight.dtype):
-                    self._measure(tile)
+                    self._measure(tile, weight)
             self._record(self._linear_weight_backward, weight, dy, x)
             return
         acc, weight.grad = weight.grad, None
         if self._mode == "skip":
             return
-        coef = self._clip_coef()  # (first: when it raises, no step count has moved)
+        coef = self._clip_coef(weight)  # (first: when it raises, no step count has moved)
         plan = self._linear_plan(weight)
         self._note_update(weight)
         step = _next_step(plan.state)
@@ -676,7 +684,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         blk: dict[str, Any] = {"acc": weight.grad}  # gradient accumulated over earlier micro-batches, if any
         weight.grad = None
         if self._mode == "apply":
-            coef, st = self._clip_coef(), self._state(weight)
+            coef, st = self._clip_coef(weight), self._state(weight)
             self._note_update(weight)
             blk.update(step=_next_step(st), coef=coef, st=st, hp=self._hp(weight))
             blk["seed"] = _noise_seed(self._group_index_pos[weight], blk["step"])
@@ -698,7 +706,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             g = g + blk["acc"][r0:r1]
         held = held and g is given  # (a new tensor would live until the replay's end: launched now instead)
         if self._mode == "norm":
-            self._measure(g)
+            self._measure(g, weight)
             return
         if self._mode == "skip":
             return
@@ -845,7 +853,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                                "nn.Embedding(sparse=False), or torch.optim.SparseAdam for that embedding.")
         if self._mode == "norm":
             acc = self._accumulated(p)
-            self._measure(p.grad if acc is None else p.grad + acc)
+            self._measure(p.grad if acc is None else p.grad + acc, p)
             self._record(self._replay_grad, p, p.grad)
             p.grad = None
             return

@@ -159,7 +159,7 @@ class ExactClipping:
         """Leave the norm pass: restore the stashed gradients and set the clip coefficient (or skip the step)."""
         for p, g in self._stash.items():
             if p not in self._stash_counted:  # accumulated, but this backward did not reach it: applied at step()
-                self._measure(g)
+                self._measure(g, p)
             p.grad = g
         replayed = self._norm_task != "backward"
         for p, before in self._outside.items():
@@ -204,11 +204,14 @@ class ExactClipping:
         finally:
             self._end_norm()
 
-    def _measure(self, g: Tensor) -> None:
-        """Add Σ g² to the norm pass's total (fp64 across tensors). On CPU each tensor's sum is one fp32 BLAS dot
+    def _measure(self, g: Tensor, p: Tensor | None = None) -> None:
+        """Add Σ g² (of parameter ``p``, if given: not one the Trainer leaves unclipped) to the norm pass's total (fp64
+        across tensors). On CPU each tensor's sum is one fp32 BLAS dot
         (~4e-7 relative on a 1M-element tile, more accurate than the fp32 norm torch's own clipping takes; ~1/16 of
         an fp64 reduction's time, which converts every element: 58 against 919 µs measured); elsewhere an fp64
         reduction on the device (the dot's finiteness check would wait for the host)."""
+        if p is not None and p in self._unclipped:
+            return
         self._norm_sq += K.norm_sq(g, exact=g.device.type != "cpu")
 
     def _record(self, fn: Any, *args: Any) -> bool:
@@ -281,8 +284,9 @@ class ExactClipping:
         p.grad = g if held else p.grad + g
         self._on_grad(p, held=held)
 
-    def _clip_coef(self) -> float:
-        if self.max_grad_norm <= 0:
+    def _clip_coef(self, p: Tensor | None = None) -> float:
+        """The clip coefficient of this step's updates (of ``p``: 1 where the Trainer leaves it unclipped)."""
+        if self.max_grad_norm <= 0 or (p is not None and p in self._unclipped):
             return 1.0
         if self.clip == "exact":
             if not self._norm_pass_seen:

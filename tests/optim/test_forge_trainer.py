@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+from torch import nn
 from transformers import Trainer, TrainingArguments
 
 import memgrad_hf  # noqa: F401  (registers forge_*)
@@ -851,3 +852,58 @@ def test_the_default_exact_clipping_is_not_warned_about_and_clip_previous_is(tmp
             Trainer.get_optimizer_cls_and_kwargs(args, model)
             assert ("applied approximately" in caplog.text) == (optim_args is not None), caplog.text
     assert "applied exactly" not in caplog.text
+
+
+class _LossWithClassifier(nn.Module):
+    """A loss module holding the model and a trainable classifier of its own (sentence-transformers' SoftmaxLoss)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        torch.manual_seed(1)
+        self.classifier = nn.Linear(model.config.vocab_size, 3)
+
+    def forward(self, inputs):
+        logits = self.model(input_ids=inputs["input_ids"]).logits[:, -1]
+        target = inputs["input_ids"][:, 0] % 3
+        return self.model(**inputs).loss + nn.functional.cross_entropy(self.classifier(logits), target)
+
+
+class _LossModuleTrainer(Trainer):
+    """The optimizer trains the loss module's parameters too, built for the loss module, as sentence-transformers'
+    trainer does; the Trainer's clipping covers ``self.model`` only."""
+
+    def __init__(self, *args, loss_module, **kwargs):
+        self.loss_module = loss_module
+        super().__init__(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return self.loss_module(inputs)
+
+    def training_step(self, *args, **kwargs):
+        # the Trainer zeroes model.zero_grad() only: the classifier's .grad would add up over steps for torch.optim
+        # (FORGE leaves none), which no user wants to compare against
+        self.loss_module.classifier.zero_grad()
+        return super().training_step(*args, **kwargs)
+
+    def create_optimizer(self, model=None):
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.loss_module)
+        self.optimizer = cls(self.loss_module.parameters(), **kwargs)
+        return self.optimizer
+
+
+def test_parameters_trained_outside_the_trainers_model_are_left_unclipped_as_the_trainer_does(tmp_path):
+    # the Trainer clips clip_grad_norm_(model.parameters()): a loss module's classifier is neither in its norm nor
+    # clipped; FORGE, built for the loss module, measured and clipped it too (grad_norm 4.48 against 4.20)
+    runs = {}
+    for optim in ("adamw_torch", "forge_adamw"):
+        model = tiny_model("llama")
+        loss = _LossWithClassifier(model)
+        t = _LossModuleTrainer(model=model, args=_args(tmp_path / optim, optim, max_grad_norm=0.5),
+                               train_dataset=_data(), loss_module=loss)
+        t.train()
+        runs[optim] = (loss, [h["grad_norm"] for h in t.state.log_history if "grad_norm" in h])
+    (ref, ref_norms), (got, got_norms) = runs["adamw_torch"], runs["forge_adamw"]
+    assert got_norms == pytest.approx(ref_norms, rel=1e-5)
+    assert all(n > 0.5 for n in ref_norms)  # every step clips
+    _assert_weights_close(got, ref)
