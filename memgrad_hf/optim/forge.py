@@ -603,8 +603,10 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         """Called from the fused linear's backward with ``dy`` ``[N, out]`` and ``x`` ``[N, in]``."""
         if not self._solo_checked:
             self._refuse_distributed()
-        self._in_layer.add(weight)
-        if not self._is_sync():  # gradient accumulation: keep the sum in .grad until the sync micro-batch
+        nested = self._nested_part(weight)
+        if not nested:
+            self._in_layer.add(weight)
+        if nested or not self._is_sync():  # gradient accumulation: keep the sum in .grad until the sync micro-batch
             g = (dy.t() @ x).to(weight.dtype)
             weight.grad = g if weight.grad is None else weight.grad + g
             return
@@ -649,6 +651,17 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                 sums=sums, exact_norm=self._exact_norm, coef=coef,  # (the Triton kernels ignore exact_norm)
             )
 
+    def _nested_part(self, weight: Tensor) -> bool:
+        """Whether this backward is nested in the loss's (a cached loss such as sentence-transformers' GradCache
+        back-propagates each mini-batch in one, from inside the loss's backward): it brings part of the gradient,
+        which joins ``.grad`` and is applied once, complete, when the loss's backward ends (:meth:`_leave`). Not under
+        reentrant checkpointing, whose nested backwards bring each segment's layers their whole gradient. Known only
+        where the loss's root began the backward (``opt.backward(loss)``, the Trainer, a loss from ``model(...)``)."""
+        if self._root_task is None or self._defer_all or torch._C._current_graph_task_id() == self._root_task:
+            return False
+        self._deferred[weight] = None
+        return True
+
     def _linear_plan(self, weight: Tensor) -> _LinearPlan:
         """What a linear weight's update needs besides its inputs, worked out once: on a GPU at small batch the host's
         time per layer is the step's time (``python -m benchmarks.forge_host``). Rebuilt when ``MEMGRAD_BACKEND``
@@ -677,7 +690,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
     def _begin_blocks(self, weight: Tensor) -> dict[str, Any] | None:
         """Start a weight's blockwise step; None when this backward does not apply updates (accumulating, or a weight
         whose gradient has other parts: its blocks join .grad, and the hook applies the sum)."""
-        if not self._is_sync() or weight in self._shared:
+        if not self._is_sync() or weight in self._shared or self._nested_part(weight):
             return None
         if self._mode == "norm":
             return {"acc": self._accumulated(weight)}
@@ -717,10 +730,12 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
 
     def _embedding_weight_backward(self, weight: Tensor, ids: Tensor, dy: Tensor, padding_idx: int | None) -> None:
         """Called from the fused embedding's backward: the dense gradient is built and applied per row block."""
-        self._in_layer.add(weight)
+        nested = self._nested_part(weight)  # (then its blocks join .grad: _begin_blocks)
+        if not nested:
+            self._in_layer.add(weight)
         # With the device kernels (GPU), boolean selection would wait for the host once per block: mask instead
         # (every token's row is added to every block, zeroed where it belongs elsewhere; cheap next to the update).
-        if self._mode == "norm":
+        if self._mode == "norm" and not nested:
             self._record(self._embedding_weight_backward, weight, ids, dy, padding_idx)
         select = default_backend("forge", dy.device) != "triton"
         if padding_idx is not None:  # nn.Embedding's padding row gets no gradient

@@ -197,9 +197,11 @@ class UseTracking:
             log.warning(
                 "forge: a second backward before optimizer.step() updated the weights again: with FORGE every "
                 "backward applies the update. For gradient accumulation in your own loop set optimizer.sync = False "
-                "before the backward of every micro-batch but the last (the Trainer does this itself). If this "
-                "optimizer was replaced by another, call its detach() first: until then it keeps updating the "
-                "weights inside backward, and the new optimizer sees no .grad.")
+                "before the backward of every micro-batch but the last (the Trainer does this itself). A loss whose "
+                "backward runs more backwards inside it (a cached loss, e.g. sentence-transformers' "
+                "CachedMultipleNegativesRankingLoss) must go through optimizer.backward(loss), which applies their "
+                "parts once. If this optimizer was replaced by another, call its detach() first: until then it keeps "
+                "updating the weights inside backward, and the new optimizer sees no .grad.")
 
 
 def checkpoints_reentrantly(layer: nn.Module) -> bool:

@@ -1277,3 +1277,54 @@ def test_offloaded_parameters_are_refused():
     model = cpu_offload(tiny_model("llama"))
     with pytest.raises(ValueError, match="meta device"):
         ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+
+
+class _CachedLoss:
+    """GradCache as sentence-transformers' cached losses run it: embeddings computed without a graph, the loss over
+    them back-propagated to the embeddings at once (their gradients cached), and a loss returned whose backward runs
+    one backward per mini-batch (re-run with a graph) into the model."""
+
+    def __init__(self, model, mini_batch):
+        self.model, self.mini_batch = model, mini_batch
+
+    def __call__(self, ids):
+        with torch.no_grad():
+            reps = torch.cat([self.model(ids[i:i + self.mini_batch]) for i in range(0, len(ids), self.mini_batch)])
+        reps = reps.detach().requires_grad_()
+        with torch.enable_grad():
+            loss = nn.functional.cross_entropy(reps @ reps.t(), torch.arange(len(ids)))
+            loss.backward()  # (reaches the embeddings only: no parameter)
+        cached = reps.grad
+        loss = loss.detach().requires_grad_()
+
+        def backward_minibatches(grad):
+            for i in range(0, len(ids), self.mini_batch):
+                with torch.enable_grad():
+                    out = self.model(ids[i:i + self.mini_batch])
+                torch.autograd.backward(out, grad * cached[i:i + self.mini_batch])
+            return grad
+
+        loss.register_hook(backward_minibatches)
+        return loss
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.5], ids=["no_clip", "exact_clip"])
+def test_a_cached_loss_backpropagating_mini_batches_inside_its_backward_is_one_update(max_grad_norm):
+    # each mini-batch's nested backward applied an update of its own (8 per step, ~12 lr off torch after 2 steps)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(30, 16), nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 8))
+    ref = copy.deepcopy(net)
+    opt = ForgeAdamW(net.parameters(), model=net, lr=1e-2, max_grad_norm=max_grad_norm)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        ids = torch.randint(0, 30, (8, 4), generator=torch.Generator().manual_seed(step))
+        opt.backward(_CachedLoss(net, 2)(ids))
+        opt.step()
+        loss = _CachedLoss(ref, 2)(ids)
+        loss.backward()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _assert_weights_close(net, ref)
+    opt.detach()
