@@ -247,6 +247,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._segment_hooks: list[Any] = []
         self._in_layer: set[Tensor] = set()  # fused weights whose layer back-propagated since the last step()
         self._applied: set[Tensor] = set()  # updated since the last step(): a second update there is warned about
+        self._warned_nested = False
         self._unclipped: set[Tensor] = set()  # trained, but outside the Trainer's model: not clipped (begin_trainer)
         self._second_parts: set[Tensor] = set()  # a use outside the layer found this step: one more update expected
         self._warned_twice = False
@@ -660,6 +661,13 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         if self._root_task is None or self._defer_all or torch._C._current_graph_task_id() == self._root_task:
             return False
         self._deferred[weight] = None
+        if not self._warned_nested:
+            self._warned_nested = True
+            log.warning("forge: a backward nested in the loss's (a cached loss such as GradCache, or torch.utils."
+                        "checkpoint with use_reentrant=True outside transformers' gradient_checkpointing_enable) "
+                        "brings fused weights part of their gradient: the parts are summed in .grad and applied once "
+                        "when the loss's backward ends, exact, without FORGE's memory saving for them. For "
+                        "checkpointing, use_reentrant=False keeps it.")
         return True
 
     def _linear_plan(self, weight: Tensor) -> _LinearPlan:
