@@ -22,7 +22,7 @@ def test_direct_launches_match_what_triton_launches():
 
 
 def test_triton_binding_kept_for_unchecked_versions_and_opt_out():
-    for version, ok in (("3.2.0", False), ("3.3.1", True), ("3.9.0", True), ("3.10.0", False), ("4.0", False),
+    for version, ok in (("3.4.0", False), ("3.5.1", True), ("3.9.0", True), ("3.10.0", False), ("4.0", False),
                         ("3.9.0+git1234", True), ("nightly", False)):
         assert triton_launch._version_checked(version) is ok, version
     code = "import memgrad_hf.kernels.triton_launch as L; print(L.ENABLED)"

@@ -28,7 +28,7 @@ import triton
 from triton.runtime.driver import driver
 
 # Triton versions whose specialization rules the key was checked against (tests/test_triton_launch.py)
-CHECKED = ((3, 3), (3, 9))
+CHECKED = ((3, 5), (3, 9))  # (run: 3.5.1, 3.6.0, 3.7.1, 3.8.0, 3.9.0)
 
 
 @functools.lru_cache(maxsize=4)
