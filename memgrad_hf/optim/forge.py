@@ -454,6 +454,20 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._forward_key = key
         self._forward_switch = on
 
+    def _forward_wrapper_lost(self) -> bool:
+        """Whether this optimizer wrapped the model's forward (:meth:`_wrap_model_forward`) and ``model.forward`` no
+        longer reaches that wrapper (following ``__wrapped__`` through wrappers put around it since)."""
+        if not getattr(self, "_wrapped_forward", False) or self.model is None:
+            return False
+        fwd = self.model.__dict__.get("forward")
+        for _ in range(32):
+            if fwd is None:
+                return True
+            if getattr(getattr(fwd, "__func__", fwd), "_memgrad_forge_on", None) is self._forward_switch:
+                return False
+            fwd = getattr(fwd, "__wrapped__", None)
+        return False
+
     def _wrap_loss(self, out: Any) -> Any:
         if torch.compiler.is_compiling():  # (one break, after the model's last op: dynamo cannot trace the root)
             return self._wrap_loss_eagerly(out)

@@ -298,10 +298,14 @@ class ExactClipping:
                         "instead, as Trainer.training_step does. Alternatively optim_args='clip=previous' or "
                         "max_grad_norm=0. Nothing was updated by this backward."
                     )
+                lost = (" The model's forward no longer runs the wrapper this optimizer put on it to find its loss: "
+                        "something replaced model.forward since (e.g. accelerate's remove_hook_from_module put back "
+                        "the forward it had saved); optimizer.backward(loss) works regardless, or detach() this "
+                        "optimizer and build it again." if self._forward_wrapper_lost() else "")
                 raise RuntimeError(
                     "forge: max_grad_norm > 0 with clip='exact' needs the loss to come from model(...) (its .loss or "
                     "a scalar output), or call optimizer.backward(loss). Alternatively pass clip='previous' or "
-                    "max_grad_norm=0."
+                    "max_grad_norm=0." + lost
                 )
             return self._coef
         prev = self._prev_norm

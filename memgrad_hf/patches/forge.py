@@ -27,7 +27,8 @@ def _optimizer_of(module: nn.Module, weight: torch.Tensor | None) -> Any:
     """The FORGE optimizer that fused ``module`` (whose weight is ``weight``), or None where the layer runs as the
     plain module: in a deep copy of the model (an EMA, teacher or reference copy: its weight is not one the optimizer
     updates), for a weight that is no longer a parameter (pruned), or for a weight with a gradient hook."""
-    opt = module.__dict__[_ATTR]()  # a weakref: a deep copy of the model does not copy the optimizer and its state
+    ref = module.__dict__.get(_ATTR)  # a weakref: a deep copy of the model does not copy the optimizer and its state
+    opt = None if ref is None else ref()
     # a gradient hook on the weight (Tensor.register_hook: masking rows, scaling) must see the whole gradient: the
     # layer runs as plain nn.Linear and the update comes from the hook path, after the user's hook
     if opt is None or weight is None or weight._backward_hooks or weight not in opt._fused:
@@ -114,7 +115,9 @@ def swap_layers(model: nn.Module, optimizer: Any, weights: set[int]) -> list[nn.
         if id(module.weight) not in weights or getattr(module, REUSED_PER_FORWARD, False):
             continue
         hooked = _accelerate_hooked(module)
-        if "forward" in module.__dict__ and not hasattr(module, _ATTR) and not hooked:
+        own = module.__dict__.get("forward")
+        # (a forward of the module's class bound to it is what accelerate's remove_hook_from_module leaves behind)
+        if own is not None and not hasattr(module, _ATTR) and not hooked and not _class_forward(module, own):
             continue  # someone else (e.g. the chunked head capture) owns this forward right now
         setattr(module, _ATTR, weakref.ref(optimizer))
         if hooked:
@@ -128,6 +131,14 @@ def swap_layers(model: nn.Module, optimizer: Any, weights: set[int]) -> list[nn.
     return swapped
 
 
+def _class_forward(module: nn.Module, fwd: Any) -> bool:
+    return getattr(fwd, "__func__", None) is type(module).forward and getattr(fwd, "__self__", None) is module
+
+
+def _ours(fwd: Any) -> bool:
+    return getattr(fwd, "__func__", None) in (_forge_forward, _forge_embedding_forward)
+
+
 def _accelerate_hooked(module: nn.Module) -> bool:
     """Whether accelerate's ``add_hook_to_module`` wraps ``module.forward`` (its forward kept as ``_old_forward``)."""
     return "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__
@@ -139,7 +150,9 @@ def restore_layers(modules: list[nn.Module]) -> None:
         if hasattr(module, _ATTR):
             delattr(module, _ATTR)
             saved = module.__dict__.pop(_SAVED_FORWARD, None)
-            if saved is not None and "_old_forward" in module.__dict__:  # (still under accelerate's hook)
-                module._old_forward = saved
-            else:  # (ours, or the hook was removed since: it put our forward back as the module's)
-                module.__dict__.pop("forward", None)
+            # under an accelerate hook (added before the swap, or after it: then it wraps ours) ours is its inner
+            # forward: the one before it goes back there, the hook stays
+            if _ours(module.__dict__.get("_old_forward")):
+                module._old_forward = saved if saved is not None else types.MethodType(type(module).forward, module)
+            if _ours(module.__dict__.get("forward")):  # (ours, or a hook removed since put ours back as the forward)
+                del module.__dict__["forward"]

@@ -1328,3 +1328,43 @@ def test_a_cached_loss_backpropagating_mini_batches_inside_its_backward_is_one_u
         ref_opt.zero_grad()
     _assert_weights_close(net, ref)
     opt.detach()
+
+
+def test_accelerate_hooks_added_or_removed_around_the_optimizer():
+    # a hook added after the optimizer was dropped by detach() (and remove_hook_from_module then raised KeyError);
+    # layers whose hook was removed before the optimizer was built were left unfused; removing the model's hook
+    # under an attached optimizer lost its clipping root, with a message that did not say why
+    from accelerate import dispatch_model
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    class AddOne(ModelHook):
+        def post_forward(self, module, output):
+            return output + 1.0
+
+    model = tiny_model("llama")
+    proj = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, proj.in_features)
+    plain = proj(x)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    add_hook_to_module(proj, AddOne())
+    assert torch.allclose(proj(x), plain + 1)
+    opt.detach()
+    assert torch.allclose(proj(x), plain + 1)  # the hook stays, around the layer's own forward again
+    remove_hook_from_module(proj)
+    assert torch.allclose(proj(x), plain)
+
+    device_map = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
+                  "lm_head": "cpu"}
+    model = remove_hook_from_module(dispatch_model(tiny_model("llama"), device_map=device_map, force_hooks=True),
+                                    recurse=True)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2)
+    assert all(hasattr(m, "_memgrad_forge") for m in model.modules() if type(m) in (nn.Linear, nn.Embedding))
+    opt.detach()
+
+    model = dispatch_model(tiny_model("llama"), device_map=device_map, force_hooks=True)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=1.0)
+    remove_hook_from_module(model, recurse=True)
+    ids = torch.randint(1, 101, (2, 10))
+    with pytest.raises(RuntimeError, match="no longer runs the wrapper"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    opt.detach()
