@@ -227,7 +227,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._defer_all = False  # this backward's every hooked gradient waits for its end (reentrant checkpointing)
         # per device: (Σ g² of this step's updates, skipped tiles), summed in place on the device by every update
         # and read once, in step(); kept across steps (zeroed there) so that a layer's update allocates nothing
-        self._step_sums: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._step_sums: dict[Any, tuple[Tensor, Tensor]] = {}  # (per device; see _sums)
         self._group_index = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_index_pos = {p: k for k, p in enumerate(self._group_index)}
         self._plans: dict[Tensor, _LinearPlan] = {}
@@ -541,14 +541,14 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         if not self._solo_checked:
             self._refuse_distributed()
         impl = self._update_impl(target, g)
-        if (self._grouped is not None and impl is not K.update_step
+        if (self._grouped is not None and impl is not K.update_step and p not in self._unclipped
                 and (held or (self._groups_small and target.numel() <= _GROUPED_NUMEL))):
             self._grouped.append((target, g, st, hp, step, seed, offset, coef))
             return
         with torch.no_grad():
             impl(self.rule, target, g, st, hp, step, coef=coef, seed=seed, offset=offset,
                  stochastic_rounding=self.stochastic_rounding, exact_norm=self._exact_norm,
-                 chunk_elems=max(self._tile_bytes(p) // 4, 1), sums=self._sums(target.device))
+                 chunk_elems=max(self._tile_bytes(p) // 4, 1), sums=self._sums(target.device, p))
 
     def _launch_grouped(self) -> None:
         """The updates :meth:`_update` set aside during an exact-clipping replay, or a backward's small hooked
@@ -574,15 +574,17 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         refuse_distributed(self.model)
         self._solo_checked = True
 
-    def _sums(self, device: torch.device) -> tuple[Tensor, Tensor]:
+    def _sums(self, device: torch.device, p: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """This step's (Σ g², skipped tiles) accumulators on ``device`` (fp32 where the Triton kernels add into them
         atomically; fp64 for the torch path). Σ g² is logged as the gradient norm (and clips the next step with
-        clip='previous'); with exact clipping the norm pass measures the norm instead."""
-        sums = self._step_sums.get(device)
+        clip='previous'); with exact clipping the norm pass measures the norm instead. A parameter the Trainer
+        leaves out of its norm (``_unclipped``) adds into a pair of its own, whose Σ g² is not read."""
+        key = device if p is None or p not in self._unclipped else ("unclipped", device)
+        sums = self._step_sums.get(key)
         if sums is None:
             fp = torch.float32 if default_backend("forge", device) == "triton" else torch.float64
             sums = (torch.zeros((), dtype=fp, device=device), torch.zeros((), dtype=torch.int32, device=device))
-            self._step_sums[device] = sums
+            self._step_sums[key] = sums
         return sums
 
     def _update_impl(self, target: Tensor, g: Tensor):
@@ -656,7 +658,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         plan = self._linear_plan(weight)
         self._note_update(weight)
         step = _next_step(plan.state)
-        sums = self._sums(weight.device)
+        sums = self._sums(weight.device, weight)
         seed = _noise_seed(plan.position, step)
         # backward runs without grad mode (unless create_graph): entering no_grad per layer costs ~2 µs of host time
         with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT:
@@ -971,8 +973,9 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._shared = set(self._shared_fixed)  # marks found at forward hold for their step only
         self._compiled_uses.clear()
         now, bad = 0.0, 0
-        for norm_sq, skipped in self._step_sums.values():  # one host read per device and step
-            now, bad = now + float(norm_sq), bad + int(skipped)
+        for key, (norm_sq, skipped) in self._step_sums.items():  # one host read per device and step
+            now += 0.0 if isinstance(key, tuple) else float(norm_sq)  # (the Trainer's norm leaves "unclipped" out)
+            bad += int(skipped)
             norm_sq.zero_(), skipped.zero_()
         if self.max_grad_norm <= 0 or self.clip == "previous":
             now += self._outside_norm_sq()

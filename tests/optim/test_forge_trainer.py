@@ -892,18 +892,21 @@ class _LossModuleTrainer(Trainer):
         return self.optimizer
 
 
-def test_parameters_trained_outside_the_trainers_model_are_left_unclipped_as_the_trainer_does(tmp_path):
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["exact_clip", "no_clip"])
+def test_parameters_trained_outside_the_trainers_model_are_left_unclipped_as_the_trainer_does(tmp_path,
+                                                                                             max_grad_norm):
     # the Trainer clips clip_grad_norm_(model.parameters()): a loss module's classifier is neither in its norm nor
-    # clipped; FORGE, built for the loss module, measured and clipped it too (grad_norm 4.48 against 4.20)
+    # clipped; FORGE, built for the loss module, measured and clipped it too (grad_norm 4.48 against 4.20), and
+    # without clipping logged it in the norm (which clip=previous then clips by)
     runs = {}
     for optim in ("adamw_torch", "forge_adamw"):
         model = tiny_model("llama")
         loss = _LossWithClassifier(model)
-        t = _LossModuleTrainer(model=model, args=_args(tmp_path / optim, optim, max_grad_norm=0.5),
+        t = _LossModuleTrainer(model=model, args=_args(tmp_path / optim, optim, max_grad_norm=max_grad_norm),
                                train_dataset=_data(), loss_module=loss)
         t.train()
         runs[optim] = (loss, [h["grad_norm"] for h in t.state.log_history if "grad_norm" in h])
     (ref, ref_norms), (got, got_norms) = runs["adamw_torch"], runs["forge_adamw"]
-    assert got_norms == pytest.approx(ref_norms, rel=1e-5)
-    assert all(n > 0.5 for n in ref_norms)  # every step clips
+    assert len(ref_norms) == 4 and got_norms == pytest.approx(ref_norms, rel=1e-5)
+    assert all(n > 0.5 for n in ref_norms)  # every step clips (where it clips)
     _assert_weights_close(got, ref)
