@@ -542,11 +542,16 @@ def validate(model: nn.Module) -> None:
                                     "*ForMaskedLM) model.")
     head = model.get_output_embeddings()
     if head is None:
+        scoring = type(model).__name__.endswith(("ForSequenceClassification", "ForTokenClassification",
+                                                 "ForQuestionAnswering"))
         raise UnsupportedModelError(
-            f"{owner} has no output embeddings (get_output_embeddings() is None), so no LM head to chunk: pass the "
-            "*ForCausalLM (or *ForMaskedLM) model, not the bare backbone. A model with a scoring head (a reward model, "
-            "*ForSequenceClassification) builds no [tokens x vocab] logits; patch_model(model, head=False) still "
-            "adds Titans memory to it."
+            f"{owner} has no output embeddings (get_output_embeddings() is None), so no LM head to chunk"
+            + (": a scoring head (a reward model, a classifier) builds no [tokens x vocab] logits, so there is "
+               "nothing for the chunked head to save. FORGE optimizers (optim='forge_adamw') train it as they are; "
+               "patch_model(model, head=False, titans=...) still adds Titans memory to it." if scoring else
+               ": pass the *ForCausalLM (or *ForMaskedLM) model, not the bare backbone. A model with a scoring head "
+               "(a reward model, *ForSequenceClassification) builds no [tokens x vocab] logits; "
+               "patch_model(model, head=False) still adds Titans memory to it.")
         )
     if isinstance(head, nn.Embedding):  # (fsmt: its decoder's input embedding, the logits made by another module)
         raise UnsupportedModelError(

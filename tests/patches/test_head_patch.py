@@ -338,8 +338,11 @@ def test_unsupported_models_raise_named_errors():
     from transformers import LlamaForSequenceClassification
 
     reward_model = LlamaForSequenceClassification(tiny_model("llama").config)
-    with pytest.raises(UnsupportedModelError, match=r"scoring head.*head=False"):
+    with pytest.raises(UnsupportedModelError, match=r"scoring head.*head=False") as err:
         memgrad_hf.patch_model(reward_model)
+    assert "bare backbone" not in str(err.value)  # (the backbone's advice read oddly for a classifier)
+    with pytest.raises(UnsupportedModelError, match="bare backbone"):
+        memgrad_hf.patch_model(backbone)
 
     model = tiny_model("llama")
     model.loss_function = lambda *a, **k: None
