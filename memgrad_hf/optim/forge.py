@@ -290,12 +290,12 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                     "model=D) for a GAN)."
                 )
             previous.detach()  # one FORGE optimizer per model at a time (e.g. a second Trainer takes over)
-        model._memgrad_forge_optimizer = weakref.ref(self)
+        model._memgrad_forge_optimizer = P.OptimizerRef(self)
         # the layers with transformers' gradient_checkpointing flag, found once: its is_activation_checkpointing
         # property walks every module (~9 ms on a 32-layer PEFT model), too slow to read per backward
         self._ckpt_layers: list[nn.Module] = [m for m in model.modules()
                              if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
-        me = weakref.ref(self)  # (a deep copy of the model copies its hooks: they must not copy the optimizer)
+        me = P.OptimizerRef(self)  # (a deep copy of the model copies its hooks: they must not copy the optimizer)
         self._segment_hooks = [h for m in self._ckpt_layers for h in (
             m.register_forward_pre_hook(functools.partial(segment_starts, me)),
             m.register_forward_hook(functools.partial(segment_ends, me), always_call=True))]
@@ -459,13 +459,17 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         longer reaches that wrapper (following ``__wrapped__`` through wrappers put around it since)."""
         if not getattr(self, "_wrapped_forward", False) or self.model is None:
             return False
+        from memgrad_hf.patches.head import head_patch
+
         fwd = self.model.__dict__.get("forward")
         for _ in range(32):
             if fwd is None:
                 return True
-            if getattr(getattr(fwd, "__func__", fwd), "_memgrad_forge_on", None) is self._forward_switch:
+            func = getattr(fwd, "__func__", fwd)
+            if getattr(func, "_memgrad_forge_on", None) is self._forward_switch:
                 return False
-            fwd = getattr(fwd, "__wrapped__", None)
+            patch = head_patch(self.model) if getattr(func, "_memgrad_head", False) else None
+            fwd = patch.original if patch is not None else getattr(fwd, "__wrapped__", None)  # (the head's inner one)
         return False
 
     def _wrap_loss(self, out: Any) -> Any:

@@ -13,6 +13,28 @@ from memgrad_hf.engine import REUSED_PER_FORWARD
 from memgrad_hf.optim.fused_linear import ForgeEmbeddingFunction, ForgeLinearFunction
 
 _ATTR = "_memgrad_forge"
+
+
+class OptimizerRef(weakref.ref):
+    """A weak reference to a FORGE optimizer, kept on the model (its layers, hooks, forward wrapper): pickled, it
+    is a dead one. ``torch.save(model)`` of a model being trained carries no optimizer (a plain weak reference
+    cannot be pickled at all), and the loaded model runs its layers plainly."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple:
+        return _dead_ref, ()
+
+
+class _Gone:
+    pass
+
+
+_DEAD = weakref.ref(_Gone())  # (its referent is gone at once: calling it gives None)
+
+
+def _dead_ref() -> weakref.ref:
+    return _DEAD
 _SAVED_FORWARD = "_memgrad_forge_hooked_forward"  # the forward accelerate's hook called before the swap
 
 
@@ -96,6 +118,11 @@ def _forge_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Ten
     return out
 
 
+# A bound method pickles as getattr(its object, its function's __name__): named "forward", a swapped layer of a
+# pickled model (torch.save(model) mid-training) loads with the class's forward (and a dead optimizer reference)
+_forge_forward.__name__ = _forge_embedding_forward.__name__ = "forward"
+
+
 def _plain_embedding(m: nn.Module) -> bool:
     # max_norm renormalizes rows in forward and sparse=True has its own gradient format: leave those alone
     return type(m) is nn.Embedding and m.max_norm is None and not m.sparse and not m.scale_grad_by_freq
@@ -119,7 +146,7 @@ def swap_layers(model: nn.Module, optimizer: Any, weights: set[int]) -> list[nn.
         # (a forward of the module's class bound to it is what accelerate's remove_hook_from_module leaves behind)
         if own is not None and not hasattr(module, _ATTR) and not hooked and not _class_forward(module, own):
             continue  # someone else (e.g. the chunked head capture) owns this forward right now
-        setattr(module, _ATTR, weakref.ref(optimizer))
+        setattr(module, _ATTR, OptimizerRef(optimizer))
         if hooked:
             # accelerate's hook (device placement under a device_map) calls module._old_forward between its pre- and
             # post-forward: the fused forward goes there, inside the hook, which stays

@@ -661,11 +661,14 @@ def unpatch_head(model: nn.Module) -> bool:
         # Installed later on top of memgrad's forward (a TRL trainer's fused head, Liger's forward): removing memgrad's
         # would discard it, so memgrad's layer stays and passes every call through unchanged.
         patch.active = False
+        by = getattr(current, "__module__", None) or type(current).__name__
+        hint = ("a FORGE optimizer's exact-clipping wrapper: opt.detach() before unpatch_model restores the model "
+                "exactly" if by == "memgrad_hf.optim.forge" else "another library's hook, e.g. accelerate's device "
+                "dispatch or autocast, or TRL's fused head")
         logger.warning(
-            "memgrad_hf: removing the chunked head: %s.forward was wrapped after patch_model (by %s: another "
-            "library's hook, e.g. accelerate's device dispatch or autocast, or TRL's fused head); memgrad's layer now "
-            "passes every call through to the original forward, and the later wrapper is kept.",
-            type(model).__name__, getattr(current, "__module__", None) or type(current).__name__)
+            "memgrad_hf: removing the chunked head: %s.forward was wrapped after patch_model (by %s: %s); memgrad's "
+            "layer now passes every call through to the original forward, and the later wrapper is kept.",
+            type(model).__name__, by, hint)
         return True
     if patch.had_instance_forward:
         model.forward = patch.original

@@ -1368,3 +1368,46 @@ def test_accelerate_hooks_added_or_removed_around_the_optimizer():
     with pytest.raises(RuntimeError, match="no longer runs the wrapper"):
         model(input_ids=ids, labels=ids).loss.backward()
     opt.detach()
+
+
+def test_memgrads_forward_wrappers_after_accelerates_prepare_unwrap_pickle_and_unpatch(caplog):
+    # found with the wrappers' __wrapped__ gone: wrapping after accelerate's bf16 prepare, unwrap_model(
+    # keep_fp32_wrapper=False) bound memgrad's bound wrapper twice (TypeError on the next forward); a model with a
+    # FORGE optimizer attached could not be pickled (weak references), and its fused layers' forwards would not
+    # unpickle; unpatch_model named transformers as the later wrapper of FORGE's; and the exact-clipping error said
+    # the optimizer's wrapper was lost when the chunked head merely wrapped it
+    import io
+
+    from accelerate import Accelerator
+
+    model = Accelerator(cpu=True, mixed_precision="bf16").prepare(tiny_model("llama"))
+    patch_model(model)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=1.0)
+    plain = Accelerator(cpu=True).unwrap_model(model, keep_fp32_wrapper=False)
+    ids = torch.randint(1, 101, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert plain(input_ids=ids, labels=ids).loss.isfinite()
+    opt.detach()
+
+    model = tiny_model("llama")
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=1.0)
+    patch_model(model)
+    with pytest.raises(RuntimeError, match="needs the loss to come from model") as err:
+        model(input_ids=ids).logits.float().mean().backward()  # (a loss outside the model)
+    assert "no longer runs the wrapper" not in str(err.value)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    loaded(input_ids=ids, labels=ids).loss.backward()  # plainly: no optimizer came with it
+    assert all(p.grad is not None for p in loaded.parameters())
+    opt.detach()
+    model = patch_model(tiny_model("llama"))
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=1.0)  # (its wrapper around the head's)
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        memgrad_hf.unpatch_model(model)
+    assert "by memgrad_hf.optim.forge: a FORGE optimizer's exact-clipping wrapper: opt.detach()" in caplog.text
+    opt.detach()
