@@ -13,6 +13,7 @@ from memgrad_hf.engine import REUSED_PER_FORWARD
 from memgrad_hf.optim.fused_linear import ForgeEmbeddingFunction, ForgeLinearFunction
 
 _ATTR = "_memgrad_forge"
+_SAVED_FORWARD = "_memgrad_forge_hooked_forward"  # the forward accelerate's hook called before the swap
 
 
 class OptimizerRef(weakref.ref):
@@ -35,7 +36,6 @@ _DEAD = weakref.ref(_Gone())  # (its referent is gone at once: calling it gives 
 
 def _dead_ref() -> weakref.ref:
     return _DEAD
-_SAVED_FORWARD = "_memgrad_forge_hooked_forward"  # the forward accelerate's hook called before the swap
 
 
 _FP16_AUTOCAST = (
