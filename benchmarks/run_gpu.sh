@@ -7,7 +7,8 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site || exit; bash benchmarks/run_gpu.sh $OUT host
 # `host` is what is still open (issue 3's step time at ~1B, batch 1, without and with the Trainer's default clipping;
-# carry only .whl, timeout_s 600: ~8 minutes expected, 10 if every step runs to its limit); `next` and `bnb` were run I's two calls.
+# carry only .whl, timeout_s 600: ~8 minutes expected, 10 if every step runs to its limit); `next` and `bnb` were
+# run I's two calls.
 # Each part writes OUTDIR/<part>.md; the exit status is non-zero if a check failed. Wall times seen on an H100: checks
 # ~4 min, head ~2.5 per vocabulary, grpo ~3, titans > 4, forge ~5, forge-7b ~4, demo ~2, forge-profile ~2; each
 # configuration under torch.compile compiles for ~60 s in its memory process and again in its timing one. What each
