@@ -305,11 +305,13 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         fusable = {id(p) for p in self._group_index if counts.get(id(p), 0) == 1 and p.requires_grad}
         self._swapped = P.swap_layers(model, self, fusable)
         self._fused = {m.weight for m in self._swapped}  # nn.Linear and nn.Embedding weights
-        with torch.enable_grad():  # each one's gradient accumulator, for a compiled layer (forge_ops._accumulates)
-            self._grad_nodes = {w: torch.autograd.graph.get_gradient_edge(w).node for w in self._fused}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._group_index
                        if p.requires_grad]
         self._hooked = {p for p in self._group_index if p.requires_grad}
+        with torch.enable_grad():  # each one's gradient accumulator: for a compiled layer (forge_ops._accumulates),
+            self._grad_nodes = {w: torch.autograd.graph.get_gradient_edge(w).node for w in self._fused}
+            # and for LossRoot: a backward that reaches none (torch.autograd.grad of the loss) is no step's
+            self._acc_nodes = [torch.autograd.graph.get_gradient_edge(p).node for p in self._hooked]
         self._unhooked = [p for p in self._group_index if not p.requires_grad]  # (see _hook_new)
         _warn_held_grads(type(self).__name__, self._group_index)
         self._attached = True
@@ -511,6 +513,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             self._wrapped_forward = False
         self._swapped, self._hooks, self._fused, self._hooked, self._unhooked = [], [], set(), set(), []
         self._grad_nodes = {}
+        self._acc_nodes = []
         self._root_task, self._deferred = None, {}
         self._attached = False
         ForgeOptimizer._attached_now.discard(self)
@@ -671,6 +674,12 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                 rows_per_tile=plan.rows, stochastic_rounding=self.stochastic_rounding, seed=seed,
                 sums=sums, exact_norm=self._exact_norm, coef=coef,  # (the Triton kernels ignore exact_norm)
             )
+
+    def _backward_accumulates(self) -> bool:
+        """In a backward: whether it accumulates into any parameter of this optimizer (``torch.autograd.grad`` of
+        the loss with respect to an input, e.g. a saliency term, accumulates into none: it steps nothing)."""
+        nodes = getattr(self, "_acc_nodes", None)
+        return not nodes or any(torch._C._will_engine_execute_node(n) for n in nodes)
 
     def _nested_part(self, weight: Tensor) -> bool:
         """Whether this backward is nested in the loss's (a cached loss such as sentence-transformers' GradCache
@@ -848,6 +857,8 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
                 self._hooked.add(p)
+                with torch.enable_grad():
+                    self._acc_nodes.append(torch.autograd.graph.get_gradient_edge(p).node)
         self._unhooked = [p for p in self._unhooked if p not in self._hooked]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

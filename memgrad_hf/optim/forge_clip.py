@@ -55,6 +55,8 @@ class LossRoot(torch.autograd.Function):
         task = torch._C._current_graph_task_id()
         if opt._measuring(task) or opt._root_task == task:  # (a loss wrapped twice: the outer root did it all)
             return grad, None, None
+        if not opt._backward_accumulates():  # (torch.autograd.grad of the loss: no parameter, no step, no norm)
+            return grad, None, None
         if opt.needs_norm_pass and opt._is_sync():
             if opt._replays_clip():
                 opt._begin_norm(grad.device, record=task)

@@ -1411,3 +1411,32 @@ def test_memgrads_forward_wrappers_after_accelerates_prepare_unwrap_pickle_and_u
         memgrad_hf.unpatch_model(model)
     assert "by memgrad_hf.optim.forge: a FORGE optimizer's exact-clipping wrapper: opt.detach()" in caplog.text
     opt.detach()
+
+
+def test_autograd_grad_of_the_loss_to_an_input_is_not_a_clipped_backward(caplog):
+    # torch.autograd.grad(loss, inputs_embeds) inside the loss (a saliency term) ran a norm pass through the loss's
+    # root: the real backward then warned of "a second backward with exact clipping" that did not happen
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    opt = ForgeAdamW(model.parameters(), model=model, lr=1e-2, max_grad_norm=1.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def loss_of(m, ids):
+        x = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+        out = m(inputs_embeds=x, labels=ids)
+        torch.autograd.grad(out.loss, x, retain_graph=True)
+        return out.loss
+
+    with caplog.at_level(logging.WARNING, logger="memgrad_hf"):
+        for step in range(3):
+            ids = torch.randint(1, 101, (2, 10), generator=torch.Generator().manual_seed(step))
+            loss_of(model, ids).backward()
+            opt.step()
+            loss_of(ref, ids).backward()
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert opt.last_grad_norm == pytest.approx(want.item(), rel=1e-5)
+    assert "second backward" not in caplog.text, caplog.text
+    _assert_weights_close(model, ref)
+    opt.detach()
