@@ -258,6 +258,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._hooks: list[Any] = []
         self._wrapped_forward = False
         self._norm_pass_seen = False
+        self._norm_measured = False  # (this norm pass met a gradient: a pass that met none is not a step's)
         self._attached = False
         self._solo_checked = False
         self._hp_used: list[dict[str, Any]] | None = None  # the groups as this step's first update read them
@@ -308,10 +309,8 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._group_index
                        if p.requires_grad]
         self._hooked = {p for p in self._group_index if p.requires_grad}
-        with torch.enable_grad():  # each one's gradient accumulator: for a compiled layer (forge_ops._accumulates),
+        with torch.enable_grad():  # each one's gradient accumulator, for a compiled layer (forge_ops._accumulates)
             self._grad_nodes = {w: torch.autograd.graph.get_gradient_edge(w).node for w in self._fused}
-            # and for LossRoot: a backward that reaches none (torch.autograd.grad of the loss) is no step's
-            self._acc_nodes = [torch.autograd.graph.get_gradient_edge(p).node for p in self._hooked]
         self._unhooked = [p for p in self._group_index if not p.requires_grad]  # (see _hook_new)
         _warn_held_grads(type(self).__name__, self._group_index)
         self._attached = True
@@ -513,7 +512,6 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             self._wrapped_forward = False
         self._swapped, self._hooks, self._fused, self._hooked, self._unhooked = [], [], set(), set(), []
         self._grad_nodes = {}
-        self._acc_nodes = []
         self._root_task, self._deferred = None, {}
         self._attached = False
         ForgeOptimizer._attached_now.discard(self)
@@ -644,6 +642,7 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                     and K.gram_pays(dy.shape[0], dy.shape[1], x.shape[1]))
             if gram and weight not in self._unclipped:
                 self._norm_sq += K.linear_grad_norm_sq(dy, x)
+                self._norm_measured = True
             if self._replays is not None and self._may_keep(weight):
                 # the tiles stay for the replay (no second dW GEMM): memory the step has already used
                 kept = []
@@ -674,12 +673,6 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
                 rows_per_tile=plan.rows, stochastic_rounding=self.stochastic_rounding, seed=seed,
                 sums=sums, exact_norm=self._exact_norm, coef=coef,  # (the Triton kernels ignore exact_norm)
             )
-
-    def _backward_accumulates(self) -> bool:
-        """In a backward: whether it accumulates into any parameter of this optimizer (``torch.autograd.grad`` of
-        the loss with respect to an input, e.g. a saliency term, accumulates into none: it steps nothing)."""
-        nodes = getattr(self, "_acc_nodes", None)
-        return not nodes or any(torch._C._will_engine_execute_node(n) for n in nodes)
 
     def _nested_part(self, weight: Tensor) -> bool:
         """Whether this backward is nested in the loss's (a cached loss such as sentence-transformers' GradCache
@@ -857,8 +850,6 @@ class ForgeOptimizer(ExactClipping, UseTracking, StateCheckpointing, Optimizer):
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
                 self._hooked.add(p)
-                with torch.enable_grad():
-                    self._acc_nodes.append(torch.autograd.graph.get_gradient_edge(p).node)
         self._unhooked = [p for p in self._unhooked if p not in self._hooked]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -55,8 +55,6 @@ class LossRoot(torch.autograd.Function):
         task = torch._C._current_graph_task_id()
         if opt._measuring(task) or opt._root_task == task:  # (a loss wrapped twice: the outer root did it all)
             return grad, None, None
-        if not opt._backward_accumulates():  # (torch.autograd.grad of the loss: no parameter, no step, no norm)
-            return grad, None, None
         if opt.needs_norm_pass and opt._is_sync():
             if opt._replays_clip():
                 opt._begin_norm(grad.device, record=task)
@@ -140,6 +138,7 @@ class ExactClipping:
             for p, g in self._stash.items():
                 p.grad = g
         self._mode = "norm"
+        self._norm_measured = False
         self._norm_sq = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no syncs
         self._room, self._room_wait = {}, {}
         self._stash = {p: p.grad for p in self._group_index if p.grad is not None}
@@ -174,7 +173,9 @@ class ExactClipping:
         self._stash, self._stash_counted, self._norm_task = {}, set(), None
         norm = float(self._norm_sq.sqrt())
         self.last_grad_norm = norm
-        self._norm_pass_seen = True
+        # (a backward that met no gradient, torch.autograd.grad of the loss to an input, steps nothing: a real one
+        # after it is not "a second backward")
+        self._norm_pass_seen = self._norm_pass_seen or self._norm_measured
         if not math.isfinite(norm):
             self._mode = "skip"
             self.skipped_steps += 1
@@ -214,6 +215,7 @@ class ExactClipping:
         reduction on the device (the dot's finiteness check would wait for the host)."""
         if p is not None and p in self._unclipped:
             return
+        self._norm_measured = True
         self._norm_sq += K.norm_sq(g, exact=g.device.type != "cpu")
 
     def _record(self, fn: Any, *args: Any) -> bool:
