@@ -209,10 +209,10 @@ class ExactClipping:
 
     def _measure(self, g: Tensor, p: Tensor | None = None) -> None:
         """Add Σ g² (of parameter ``p``, if given: not one the Trainer leaves unclipped) to the norm pass's total (fp64
-        across tensors). On CPU each tensor's sum is one fp32 BLAS dot
-        (~4e-7 relative on a 1M-element tile, more accurate than the fp32 norm torch's own clipping takes; ~1/16 of
-        an fp64 reduction's time, which converts every element: 58 against 919 µs measured); elsewhere an fp64
-        reduction on the device (the dot's finiteness check would wait for the host)."""
+        across tensors). On CPU each tensor's sum is one fp32 BLAS dot (~4e-7 relative on a 1M-element tile, more
+        accurate than the fp32 norm torch's own clipping takes; ~1/16 of an fp64 reduction's time, which converts
+        every element: 58 against 919 µs measured); elsewhere an fp64 reduction on the device (the dot's finiteness
+        check would wait for the host)."""
         if p is not None and p in self._unclipped:
             return
         self._norm_measured = True
